@@ -1,0 +1,1 @@
+"""dflash_jax: DFlash speculative decoding for Qwen3.5 in JAX/Flax."""
