@@ -1,0 +1,325 @@
+"""Safetensors loading (both layouts, sharded, every error) and orbax round trips, on CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from dflash_jax.checkpoint import (
+    CheckpointError,
+    checkpoint_files,
+    load_state,
+    read_safetensors_header,
+    restore_params,
+    save_params,
+    write_safetensors,
+)
+
+torch = pytest.importorskip("torch")
+safetensors = pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import load_file as np_load_file  # noqa: E402
+from safetensors.torch import save_file as torch_save_file  # noqa: E402
+
+
+def spec(tensors):
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tensors.items()}
+
+
+def bits(a):
+    """Bit pattern of an array, for exact comparisons that also hold for NaNs and bf16."""
+    a = np.asarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}")) if a.dtype.kind == "f" or a.dtype == jnp.bfloat16 else a
+
+
+def assert_same(got, want):
+    assert set(got) == set(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(bits(got[k]), bits(want[k]), err_msg=k)
+
+
+@pytest.fixture
+def small():
+    rng = np.random.default_rng(0)
+    return {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "bf16": rng.standard_normal((4, 2)).astype(ml_dtypes.bfloat16),
+        "f16": rng.standard_normal((7,)).astype(np.float16),
+        "i32": rng.integers(-100, 100, (2, 3, 2)).astype(np.int32),
+        "scalar": np.array(2.5, np.float32),
+    }
+
+
+# ---------------------------------------------------------------- format round trips
+
+
+def test_write_then_load_round_trip(tmp_path, small):
+    write_safetensors(tmp_path / "model.safetensors", small, metadata={"format": "np"})
+    header, data_start = read_safetensors_header(tmp_path / "model.safetensors")
+    assert header["__metadata__"] == {"format": "np"} and data_start % 8 == 0
+    assert set(checkpoint_files(tmp_path)) == set(small)
+    assert_same(load_state(tmp_path, spec(small), progress=False), small)
+
+
+def test_load_casts_to_expected_dtype(tmp_path, small):
+    write_safetensors(tmp_path / "model.safetensors", small)
+    want = {"f32": jax.ShapeDtypeStruct((3, 5), jnp.bfloat16),
+            "bf16": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+    got = load_state(tmp_path, want, ignore=["f16", "i32", "scalar"], progress=False)
+    assert got["f32"].dtype == jnp.bfloat16 and got["bf16"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got["f32"]), small["f32"].astype(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(np.asarray(got["bf16"]), small["bf16"].astype(np.float32))
+
+
+def test_safetensors_package_reads_our_file(tmp_path, small):
+    write_safetensors(tmp_path / "x.safetensors", small)
+    # numpy has no bf16, so the numpy loader gets the other dtypes; torch checks the bf16 file.
+    write_safetensors(tmp_path / "plain.safetensors", {k: v for k, v in small.items() if k != "bf16"})
+    for k, v in np_load_file(tmp_path / "plain.safetensors").items():
+        np.testing.assert_array_equal(v, small[k])
+        assert v.dtype == small[k].dtype
+    with safe_open(tmp_path / "x.safetensors", framework="pt") as f:
+        t = f.get_tensor("bf16")
+        assert t.dtype == torch.bfloat16
+        np.testing.assert_array_equal(t.float().numpy(), small["bf16"].astype(np.float32))
+
+
+def test_we_read_torch_written_bf16(tmp_path):
+    torch.manual_seed(0)
+    ts = {"w": torch.randn(6, 3, dtype=torch.bfloat16), "b": torch.randn(3), "n": torch.arange(4)}
+    torch_save_file(ts, tmp_path / "model.safetensors")
+    dtypes = {torch.bfloat16: jnp.bfloat16, torch.float32: jnp.float32, torch.int64: jnp.int32}
+    want = {k: jax.ShapeDtypeStruct(tuple(v.shape), dtypes[v.dtype]) for k, v in ts.items()}
+    got = load_state(tmp_path, want, progress=False)
+    for k, v in ts.items():
+        np.testing.assert_array_equal(np.asarray(got[k]).astype(np.float64), v.double().numpy())
+    assert np.array_equal(bits(got["w"]).view(np.int16), ts["w"].view(torch.int16).numpy())
+
+
+# ---------------------------------------------------------------- a real tiny HF MoE model
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory):
+    """A saved Qwen3_5MoeForCausalLM (per-expert keys on disk) and its state dict (fused layout)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    torch.manual_seed(0)
+    cfg = Qwen3_5MoeTextConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=24, tie_word_embeddings=False,
+    )
+    model = Qwen3_5MoeForCausalLM(cfg)
+    path = tmp_path_factory.mktemp("hf") / "causal"
+    model.save_pretrained(path)
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 32, 32)
+    assert state["model.layers.0.mlp.experts.down_proj"].shape == (8, 32, 16)
+    return path, state
+
+
+def test_hf_per_expert_checkpoint_loads_fused(hf_moe):
+    path, state = hf_moe
+    on_disk = set(checkpoint_files(path))
+    assert "model.layers.0.mlp.experts.7.gate_proj.weight" in on_disk
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in on_disk
+    assert_same(load_state(path, spec(state), progress=False), state)
+
+
+def test_conditional_generation_layout_and_sharded(hf_moe, tmp_path):
+    path, state = hf_moe
+    # ConditionalGeneration layout: model.language_model.* prefix, fused experts, plus a vision tower.
+    vl = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+          for k, v in state.items()}
+    vl["model.visual.blocks.0.x"] = np.ones((2, 2), np.float32)
+    (tmp_path / "vl").mkdir()
+    write_safetensors(tmp_path / "vl" / "model.safetensors", vl)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.visual\.blocks\.0\.x'"):
+        load_state(tmp_path / "vl", spec(state), progress=False)
+    assert_same(load_state(tmp_path / "vl", spec(state), ignore=[r"model\.visual\."], progress=False), state)
+
+    # The per-expert file split over two shards with an index.
+    shard = tmp_path / "sharded"
+    shard.mkdir()
+    per_expert = {}
+    with safe_open(path / "model.safetensors", framework="np") as f:
+        for k in f.keys():
+            per_expert[k] = f.get_tensor(k)
+    keys = sorted(per_expert)
+    halves = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, ks in halves.items():
+        write_safetensors(shard / name, {k: per_expert[k] for k in ks})
+    weight_map = {k: name for name, ks in halves.items() for k in ks}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (shard / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert checkpoint_files(shard) == {k: shard / v for k, v in weight_map.items()}
+    assert_same(load_state(shard, spec(state), progress=False), state)
+
+    # bf16 target params from the f32 file, placed through a custom `place`.
+    seen = []
+    want = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16) for k, v in state.items()}
+    got = load_state(shard, want, place=lambda k, a: seen.append(k) or jnp.asarray(a), progress=False)
+    assert sorted(seen) == sorted(state) and got["lm_head.weight"].dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    """A tiny per-expert MoE layer: E=3, I=2, D=4."""
+    rng = np.random.default_rng(1)
+    t = {"model.norm.weight": rng.standard_normal(4).astype(np.float32)}
+    for e in range(3):
+        for proj, shape in (("gate_proj", (2, 4)), ("up_proj", (2, 4)), ("down_proj", (4, 2))):
+            t[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = rng.standard_normal(shape).astype(np.float32)
+    write_safetensors(tmp_path / "model.safetensors", t)
+    expected = {
+        "model.norm.weight": jax.ShapeDtypeStruct((4,), jnp.float32),
+        "model.layers.0.mlp.experts.gate_up_proj": jax.ShapeDtypeStruct((3, 4, 4), jnp.float32),
+        "model.layers.0.mlp.experts.down_proj": jax.ShapeDtypeStruct((3, 4, 2), jnp.float32),
+    }
+    return tmp_path, t, expected
+
+
+def test_per_expert_stacking_order(moe_dir):
+    path, t, expected = moe_dir
+    got = load_state(path, expected, progress=False)
+    for e in range(3):
+        p = f"model.layers.0.mlp.experts.{e}."
+        gu = np.asarray(got["model.layers.0.mlp.experts.gate_up_proj"][e])
+        np.testing.assert_array_equal(gu[:2], t[p + "gate_proj.weight"])  # gate half first
+        np.testing.assert_array_equal(gu[2:], t[p + "up_proj.weight"])
+        down = got["model.layers.0.mlp.experts.down_proj"][e]
+        np.testing.assert_array_equal(down, t[p + "down_proj.weight"])
+
+
+def test_missing_tensor(moe_dir):
+    path, _, expected = moe_dir
+    expected = {**expected, "lm_head.weight": jax.ShapeDtypeStruct((8, 4), jnp.float32)}
+    with pytest.raises(CheckpointError, match=r"missing tensor 'lm_head\.weight' with shape \(8, 4\)"):
+        load_state(path, expected, progress=False)
+
+
+def test_unexpected_tensor(moe_dir):
+    path, _, expected = moe_dir
+    del expected["model.norm.weight"]
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.norm\.weight' in model\.safe"):
+        load_state(path, expected, progress=False)
+    assert "model.norm.weight" not in load_state(path, expected, ignore=[r"model\.norm\."], progress=False)
+
+
+def test_shape_mismatch(moe_dir):
+    path, _, expected = moe_dir
+    expected["model.norm.weight"] = jax.ShapeDtypeStruct((5,), jnp.float32)
+    msg = r"shape mismatch for 'model\.norm\.weight': expected \(5,\), found \(4,\)"
+    with pytest.raises(CheckpointError, match=msg):
+        load_state(path, expected, progress=False)
+    expected["model.norm.weight"] = jax.ShapeDtypeStruct((4,), jnp.float32)
+    expected["model.layers.0.mlp.experts.down_proj"] = jax.ShapeDtypeStruct((3, 4, 3), jnp.float32)
+    with pytest.raises(CheckpointError, match=r"shape mismatch for 'model\.layers\.0\.mlp\.experts\.0\.down"):
+        load_state(path, expected, progress=False)
+
+
+def test_missing_per_expert_tensor(moe_dir):
+    path, t, expected = moe_dir
+    del t["model.layers.0.mlp.experts.1.up_proj.weight"]
+    del t["model.layers.0.mlp.experts.2.up_proj.weight"]
+    write_safetensors(path / "model.safetensors", t)
+    msg = r"missing tensor 'model\.layers\.0\.mlp\.experts\.1\.up_proj\.weight'"
+    with pytest.raises(CheckpointError, match=msg):
+        load_state(path, expected, progress=False)
+    # An expert index beyond E is an unexpected tensor.
+    expected["model.layers.0.mlp.experts.gate_up_proj"] = jax.ShapeDtypeStruct((1, 4, 4), jnp.float32)
+    expected["model.layers.0.mlp.experts.down_proj"] = jax.ShapeDtypeStruct((1, 4, 2), jnp.float32)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.2\.gate"):
+        load_state(path, expected, progress=False)
+
+
+def test_duplicate_after_prefix_normalisation(moe_dir):
+    path, t, expected = moe_dir
+    t["model.language_model.norm.weight"] = t["model.norm.weight"]
+    write_safetensors(path / "model.safetensors", t)
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' appears twice"):
+        load_state(path, expected, progress=False)
+
+
+def test_missing_shard(moe_dir):
+    path, _, expected = moe_dir
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    shutil.move(path / "model.safetensors", path / first)
+    weight_map = dict.fromkeys(checkpoint_files(path / first), first)
+    weight_map["model.norm.weight"] = second
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"shard model-00002-of-00002\.safetensors .*index\.json"):
+        load_state(path, expected, progress=False)
+
+
+def test_truncated_file(moe_dir):
+    path, _, expected = moe_dir
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-5])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
+        load_state(path, expected, progress=False)
+    (path / "model.safetensors").write_bytes(data[:5])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
+        read_safetensors_header(path / "model.safetensors")
+
+
+def test_corrupt_header(moe_dir):
+    path, _, expected = moe_dir
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[8:9] = b"#"  # the JSON's opening brace
+    (path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read safetensors header"):
+        load_state(path, expected, progress=False)
+    (path / "model.safetensors").write_bytes((10**9).to_bytes(8, "little") + bytes(data[8:]))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt or truncated header"):
+        load_state(path, expected, progress=False)
+    blob = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    (path / "model.safetensors").write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(8))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt header entry 'w'"):
+        load_state(path, expected, progress=False)
+
+
+def test_no_safetensors(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"{tmp_path}: no model.safetensors"):
+        load_state(tmp_path, {}, progress=False)
+
+
+# ---------------------------------------------------------------- orbax
+
+
+def test_orbax_round_trip(tmp_path):
+    rng = np.random.default_rng(2)
+    params = {
+        "embed": jnp.asarray(rng.standard_normal((5, 3)), jnp.bfloat16),
+        "layers": {"0": {"w": jnp.asarray(rng.standard_normal((3, 3)), jnp.float32),
+                         "b": jnp.asarray(rng.standard_normal((3,)), jnp.bfloat16)}},
+    }
+    save_params(tmp_path / "ckpt", params)
+    save_params(tmp_path / "ckpt", params)  # overwrites
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    back = restore_params(tmp_path / "ckpt", abstract)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(bits(a), bits(b))
+
+    with pytest.raises(CheckpointError, match="no orbax checkpoint"):
+        restore_params(tmp_path / "absent", abstract)
+    wrong = {**abstract, "embed": jax.ShapeDtypeStruct((4, 3), jnp.bfloat16)}
+    with pytest.raises(CheckpointError, match=r"embed: stored \(5, 3\), expected \(4, 3\)"):
+        restore_params(tmp_path / "ckpt", wrong)
+    with pytest.raises(CheckpointError, match=r"extra: stored absent"):
+        restore_params(tmp_path / "ckpt", {**abstract, "extra": abstract["embed"]})
