@@ -1,14 +1,38 @@
 """Grouped (per-expert) matmul for the MoE layers: token rows sorted by expert times expert weights.
 
-Expert weights keep the checkpoint's [E, out, in] layout (no transpose at load time).
+Where it sits: the Qwen3.5-35B-A3B sparse MoE block (reference/qwen35.md §5) sorts its M = tokens x 8
+routed rows by expert and calls ``grouped_matmul`` twice per layer, gate_up ([E, 2I, H] =
+[256, 1024, 2048]) then down ([E, H, I] = [256, 2048, 512]). Expert weights keep the checkpoint's
+[E, out, in] layout (no transpose at load time).
+
+The Pallas kernel targets decode and verify (M = 8..4096 rows over 256 experts, most of them idle),
+where the op is bound by reading expert weights, so only the active experts' weights are read.
+- A jnp prologue cuts the sorted rows into row tiles of ``block_rows`` that never straddle two
+  experts (each group padded to the tile), plus tiles for the rows past sum(group_sizes), which the
+  kernel zeroes. It emits a [3, T] int32 table (expert or -1, first row, end row per tile); the
+  kernel reads it as an ordinary input (the Triton backend has no scalar prefetch). T is a static
+  bound on the tile count; the surplus tiles are empty and exit at once.
+- Grid (T, Dout / block_out). A program loads its tile's rows of x straight from the unpadded
+  x (masked rows, no gathered copy), loops over Din in ``block_in`` steps loading the expert's
+  [block_out, block_in] weight slab, and accumulates a [block_rows, block_out] f32 2-D dot. It then
+  stores only its own rows, so every output row is written by exactly one program.
+HBM traffic ~ active experts x Dout x Din x itemsize (each weight slab is read once per row tile of
+its expert; an expert with more than ``block_rows`` rows re-reads it, mostly from L2) + x and out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -28,8 +52,150 @@ def grouped_matmul_reference(x, w, group_sizes):
     return out.astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedBlocks:
+    """Tile sizes (powers of two; each clamped to its dimension). 16 rows is the smallest MMA
+    height; 32 output columns give 8 active experts x 32 = 256 programs for a 1-token decode."""
+
+    block_rows: int = 16
+    block_out: int = 32
+    block_in: int = 256
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _max_tiles(M: int, E: int, block_rows: int) -> int:
+    """Static bound on the row tiles: the E groups plus the tail make at most min(E + 1, M)
+    non-empty segments of M rows in all, each wasting at most block_rows - 1 padding rows."""
+    return max(1, (M + min(E + 1, M) * (block_rows - 1)) // block_rows)
+
+
+def _tile_table(group_sizes, M: int, block_rows: int):
+    """[3, T] int32: per row tile its expert (-1: rows past the groups, zeroed), first row, end row.
+
+    Surplus tiles get first = end = 0 (no rows). Group ends are clipped to M, so a bad sum cannot
+    address rows outside x.
+    """
+    E = group_sizes.shape[0]
+    T = _max_tiles(M, E, block_rows)
+    ends = jnp.minimum(jnp.cumsum(group_sizes.astype(jnp.int32)), M)              # [E]
+    # Segment E + 1 is the tail [sum, M): its rows must come out zero.
+    seg_end = jnp.concatenate([ends, jnp.full((1,), M, jnp.int32)])               # [E+1]
+    seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), seg_end[:-1]])       # [E+1]
+    seg_expert = jnp.concatenate([jnp.arange(E, dtype=jnp.int32), jnp.full((1,), -1, jnp.int32)])
+    seg_tiles = (seg_end - seg_start + block_rows - 1) // block_rows              # [E+1]
+    tiles_end = jnp.cumsum(seg_tiles)                                             # [E+1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    seg = jnp.sum(tiles_end[None, :] <= t[:, None], axis=1)                       # [T] in [0, E+1]
+    used = seg <= E
+    seg = jnp.minimum(seg, E)
+    first = seg_start[seg] + (t - (tiles_end[seg] - seg_tiles[seg])) * block_rows
+    end = jnp.minimum(first + block_rows, seg_end[seg])
+    zero = jnp.zeros_like(t)
+    return jnp.stack([jnp.where(used, seg_expert[seg], -1), jnp.where(used, first, zero),
+                      jnp.where(used, end, zero)])
+
+
+def _grouped_kernel(table_ref, x_ref, w_ref, o_ref, *, blocks: GroupedBlocks, num_k: int, dot_dtype,
+                    precision):
+    # table_ref: [3, T] int32; x_ref: [M, Din]; w_ref: [E, Dout, Din]; o_ref: [M, Dout]
+    tm, bo, bk = blocks.block_rows, blocks.block_out, blocks.block_in
+    t, j = pl.program_id(0), pl.program_id(1)
+    expert, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
+
+    def rows_mask(width):
+        return first + lax.broadcasted_iota(jnp.int32, (tm, width), 0) < end
+
+    def step(k, acc):
+        # Rows of the next expert (or past M) are masked to zero; their results are never stored.
+        xk = pltriton.load(x_ref.at[pl.ds(first, tm), pl.ds(k * bk, bk)], mask=rows_mask(bk), other=0)
+        wk = w_ref[expert, pl.ds(j * bo, bo), pl.ds(k * bk, bk)]                  # [bo, bk]
+        return acc + lax.dot_general(xk.astype(dot_dtype), wk.astype(dot_dtype), (((1,), (1,)), ((), ())),
+                                     precision=precision, preferred_element_type=jnp.float32)
+
+    # Tail tiles (expert -1) run no steps and store zeros; empty tiles have no rows to store.
+    acc = lax.fori_loop(0, jnp.where(expert >= 0, num_k, 0), step, jnp.zeros((tm, bo), jnp.float32))
+    pltriton.store(o_ref.at[pl.ds(first, tm), pl.ds(j * bo, bo)], acc.astype(o_ref.dtype), mask=rows_mask(bo))
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _resolve_blocks(blocks: GroupedBlocks, Dout: int, Din: int) -> GroupedBlocks:
+    blocks = dataclasses.replace(blocks, block_out=min(blocks.block_out, Dout), block_in=min(blocks.block_in, Din))
+    for name in ("block_rows", "block_out", "block_in"):
+        if not _pow2(getattr(blocks, name)):
+            raise ValueError(f"grouped_matmul: {name}={getattr(blocks, name)} must be a power of two "
+                             f"(Dout={Dout}, Din={Din})")
+    if Dout % blocks.block_out or Din % blocks.block_in:
+        raise ValueError(f"grouped_matmul: w dims (Dout={Dout}, Din={Din}) must be multiples of "
+                         f"block_out={blocks.block_out} and block_in={blocks.block_in}")
+    return blocks
+
+
+def _check_shapes(x, w, group_sizes):
+    if x.ndim != 2:
+        raise ValueError(f"grouped_matmul: x must be [M, Din], got shape {x.shape}")
+    if w.ndim != 3 or w.shape[2] != x.shape[1]:
+        raise ValueError(f"grouped_matmul: w must be [E, Dout, Din={x.shape[1]}], got shape {w.shape}")
+    if group_sizes.shape != (w.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"grouped_matmul: group_sizes must be integer [E={w.shape[0]}], got "
+                         f"{group_sizes.dtype} {group_sizes.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def grouped_matmul_pallas(x, w, group_sizes, *, blocks: GroupedBlocks = GroupedBlocks(), interpret=False):
+    """The Pallas kernel; same contract as ``grouped_matmul_reference``."""
+    _check_shapes(x, w, group_sizes)
+    M, Din = x.shape
+    E, Dout, _ = w.shape
+    blocks = _resolve_blocks(blocks, Dout, Din)
+    table = _tile_table(group_sizes, M, blocks.block_rows)                        # [3, T]
+    dot_dtype = jnp.promote_types(x.dtype, w.dtype)
+    # The Triton default for f32 dots is TF32; the reference is exact f32.
+    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    kernel = functools.partial(_grouped_kernel, blocks=blocks, num_k=Din // blocks.block_in,
+                               dot_dtype=dot_dtype, precision=precision)
+    return pl.pallas_call(
+        kernel,
+        grid=(table.shape[1], Dout // blocks.block_out),
+        out_shape=jax.ShapeDtypeStruct((M, Dout), x.dtype),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+    )(table, x, w)
+
+
 def grouped_matmul(x, w, group_sizes, *, impl=None):
+    """x [M, Din] rows sorted by expert, w [E, Dout, Din], group_sizes [E] int32 -> [M, Dout] in x's
+    dtype; the contract of ``grouped_matmul_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
+        _check_shapes(x, w, group_sizes)
         return grouped_matmul_reference(x, w, group_sizes)
-    raise NotImplementedError(f"grouped_matmul: no Pallas kernel yet (mode {mode!r})")
+    return grouped_matmul_pallas(x, w, group_sizes, interpret=mode == "interpret")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped configurations, for the compile report and the GPU bench
+
+# Qwen3.5-35B-A3B (reference/qwen35.md §5): E=256 experts, top-8, hidden 2048, expert width I=512.
+_E, _TOP_K, _HIDDEN, _INTER = 256, 8, 2048, 512
+
+
+def report_cases() -> list[KernelCase]:
+    """gate_up and down at 35B-A3B shapes for 1 token, 16 tokens (one verify block) and 32 x 16
+    tokens (verify at batch 32); bf16. ``bytes_moved`` assumes the rows spread over
+    min(M, 256) distinct experts (the bench should route them so), i.e. that many weight slabs."""
+    sds, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    cases = []
+    for tokens in (1, 16, 32 * 16):
+        M = tokens * _TOP_K
+        active = min(M, _E)
+        for name, Dout, Din in (("gate_up", 2 * _INTER, _HIDDEN), ("down", _HIDDEN, _INTER)):
+            nbytes = active * Dout * Din * 2 + M * (Din + Dout) * 2 + _E * 4
+            cases.append(KernelCase(
+                f"grouped_matmul/35b_a3b/{name}/t{tokens}",
+                functools.partial(grouped_matmul_pallas, blocks=GroupedBlocks()), grouped_matmul_reference,
+                (sds((M, Din), bf16), sds((_E, Dout, Din), bf16), sds((_E,), jnp.int32)), nbytes))
+    return cases
