@@ -27,12 +27,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
@@ -113,8 +112,10 @@ def _grouped_kernel(table_ref, x_ref, w_ref, o_ref, *, blocks: GroupedBlocks, nu
         return acc + lax.dot_general(xk.astype(dot_dtype), wk.astype(dot_dtype), (((1,), (1,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
 
-    # Tail tiles (expert -1) run no steps and store zeros; empty tiles have no rows to store.
-    acc = lax.fori_loop(0, jnp.where(expert >= 0, num_k, 0), step, jnp.zeros((tm, bo), jnp.float32))
+    # Tail tiles (expert -1) store zeros; empty tiles have no rows to store. The cond keeps the Din
+    # loop a static-trip scf.for, which Triton can software-pipeline (num_stages > 1).
+    zeros = jnp.zeros((tm, bo), jnp.float32)
+    acc = lax.cond(expert >= 0, lambda: lax.fori_loop(0, num_k, step, zeros), lambda: zeros)
     pltriton.store(o_ref.at[pl.ds(first, tm), pl.ds(j * bo, bo)], acc.astype(o_ref.dtype), mask=rows_mask(bo))
 
 
@@ -123,7 +124,8 @@ def _pow2(n: int) -> bool:
 
 
 def _resolve_blocks(blocks: GroupedBlocks, Dout: int, Din: int) -> GroupedBlocks:
-    blocks = dataclasses.replace(blocks, block_out=min(blocks.block_out, Dout), block_in=min(blocks.block_in, Din))
+    blocks = dataclasses.replace(blocks, block_out=min(blocks.block_out, Dout),
+                                 block_in=min(blocks.block_in, Din))
     for name in ("block_rows", "block_out", "block_in"):
         if not _pow2(getattr(blocks, name)):
             raise ValueError(f"grouped_matmul: {name}={getattr(blocks, name)} must be a power of two "

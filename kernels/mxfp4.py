@@ -33,12 +33,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
-
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 
 BLOCK = 32  # elements per scale (OCP MX block size)
 _E2M1_EMAX = 2  # exponent of e2m1's largest normal, 6 = 1.5 * 2^2
@@ -128,7 +127,7 @@ def _check_matmul(x, w_packed, scales, fn="mxfp4_matmul"):
 class Mxfp4Blocks:
     """Tile sizes (powers of two). block_m is capped at M rounded up to a power of two >= 16 (the
     smallest MMA height); block_k (elements, >= 32) at K rounded up, a ragged last K step is masked.
-    split_k=None picks the smallest split giving >= 256 programs."""
+    split_k must divide the K steps; None picks the smallest power of two giving >= 256 programs."""
 
     block_m: int = 32
     block_n: int = 32
@@ -157,10 +156,11 @@ def _resolve_blocks(blocks: Mxfp4Blocks, M: int, N: int, K: int) -> Mxfp4Blocks:
     split = blocks.split_k
     if split is None:
         split = 1
-        while (N // bn) * split < _TARGET_PROGRAMS and 2 * split <= chunks // 2:
+        while (N // bn) * split < _TARGET_PROGRAMS and chunks % (2 * split) == 0:
             split *= 2
-    if not 1 <= split <= chunks:
-        raise ValueError(f"mxfp4_matmul: split_k={split} must be in [1, {chunks}] (K={K}, block_k={bk})")
+    if split < 1 or chunks % split:
+        raise ValueError(f"mxfp4_matmul: split_k={split} must divide the {chunks} K steps (K={K}, "
+                         f"block_k={bk})")
     return dataclasses.replace(blocks, block_m=bm, block_n=bn, block_k=bk, split_k=split)
 
 
@@ -181,8 +181,8 @@ def _decode(packed, scales, block_n: int, block_k: int):
     return jnp.stack([plane(lo), plane(hi)], axis=-1).reshape(block_n, block_k)     # interleave
 
 
-def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K: int, steps: int, chunks: int,
-                  dot_dtype, precision):
+def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K: int, steps: int, dot_dtype,
+                  precision):
     # x_ref: [M, K]; p_ref: [N, K/2] uint8; s_ref: [N, K/32] uint8; o_ref: [M, N] or [split, M, N] f32
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     n, split, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -200,8 +200,8 @@ def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K:
         tile = ref.at[pl.ds(r0, nr), pl.ds(c0, nc)]
         return tile[...] if mask is None else pltriton.load(tile, mask=mask, other=0)
 
-    def step(c, acc):
-        k0 = c * bk
+    def step(i, acc):
+        k0 = (split * steps + i) * bk
         x = load(x_ref, rows, bm, k0, bk, M, K)                                          # [bm, bk]
         packed = load(p_ref, cols, bn, k0 // 2, bk // 2, None, K // 2)                  # [bn, bk/2]
         scales = load(s_ref, cols, bn, k0 // BLOCK, bk // BLOCK, None, K // BLOCK)      # [bn, bk/32]
@@ -209,8 +209,8 @@ def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K:
         return acc + lax.dot_general(x.astype(dot_dtype), w, (((1,), (1,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
-    first = split * steps
-    acc = lax.fori_loop(first, jnp.minimum(first + steps, chunks), step, jnp.zeros((bm, bn), jnp.float32))
+    # A static trip count (split_k divides the K steps) keeps the loop an scf.for Triton can pipeline.
+    acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     acc = acc * _F16_SHIFT
     mask = rows + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < M
     out = o_ref.at[pl.ds(rows, bm), pl.ds(cols, bn)] if o_ref.ndim == 2 else \
@@ -223,13 +223,12 @@ def mxfp4_matmul_pallas(x, w_packed, scales, *, blocks: Mxfp4Blocks = Mxfp4Block
     """The Pallas kernel; same contract as ``mxfp4_matmul_reference``."""
     M, N, K = _check_matmul(x, w_packed, scales)
     blocks = _resolve_blocks(blocks, M, N, K)
-    chunks = pl.cdiv(K, blocks.block_k)
-    steps = pl.cdiv(chunks, blocks.split_k)
+    steps = pl.cdiv(K, blocks.block_k) // blocks.split_k
     dot_dtype = jnp.promote_types(x.dtype, jnp.bfloat16)
     # The Triton default for f32 dots is TF32; the reference is exact f32.
     precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-    kernel = functools.partial(_mxfp4_kernel, blocks=blocks, M=M, K=K, steps=steps, chunks=chunks,
-                               dot_dtype=dot_dtype, precision=precision)
+    kernel = functools.partial(_mxfp4_kernel, blocks=blocks, M=M, K=K, steps=steps, dot_dtype=dot_dtype,
+                               precision=precision)
     split = blocks.split_k
     out_shape = (M, N) if split == 1 else (split, M, N)
     out = pl.pallas_call(

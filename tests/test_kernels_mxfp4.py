@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from dflash_jax.kernels import mxfp4
 
 # e2m1 code -> value, written out from the OCP MX spec (bit 3 sign, bits 2-1 exponent, bit 0 mantissa).
@@ -41,7 +40,8 @@ def _random_mx(N, K, seed=0):
 
 def test_dequantize_matches_hand_decode():
     packed, scales = _random_mx(8, 96)
-    np.testing.assert_array_equal(np.asarray(mxfp4.dequantize_mxfp4(packed, scales)), _hand_dequant(packed, scales))
+    got = mxfp4.dequantize_mxfp4(packed, scales)
+    np.testing.assert_array_equal(np.asarray(got), _hand_dequant(packed, scales))
 
 
 def test_round_trip_exact_on_grid():
@@ -73,7 +73,7 @@ def test_quantize_rounding_and_saturation():
 def test_quantization_error_bound():
     """|dequant(quant(w)) - w| <= amax / 4 per block: rounding moves a value by at most half a grid
     step (<= 1 in units of the scale, amax >= 4), saturation by at most 8 - 6 when amax < 8."""
-    w = jax.random.normal(jax.random.key(0), (64, 256), jnp.float32) * 0.02
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)) * 0.02, jnp.float32)
     err = jnp.abs(mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(w)) - w).reshape(64, 8, 32)
     amax = jnp.max(jnp.abs(w).reshape(64, 8, 32), axis=-1, keepdims=True)
     assert float(jnp.max(err / amax)) <= 0.25
@@ -83,12 +83,12 @@ def test_quantization_error_bound():
 # K = 96 is a multiple of 32 but not of the 64-element K block: the last K step is masked.
 @pytest.mark.parametrize("M,dtype,blocks", [
     (1, jnp.float32, mxfp4.Mxfp4Blocks(block_k=64)),
-    (5, jnp.bfloat16, mxfp4.Mxfp4Blocks(block_k=32, block_n=16, split_k=2)),
+    (5, jnp.bfloat16, mxfp4.Mxfp4Blocks(block_k=32, block_n=16, split_k=3)),   # 3 K splits, 4 N tiles
     (16, jnp.float32, None),
 ])
 def test_interpret_matches_reference(M, dtype, blocks):
     packed, scales = _random_mx(64, 96, seed=M)
-    x = jax.random.normal(jax.random.key(M), (M, 96), dtype)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 96)), dtype)
     if blocks is None:  # through the dispatcher, default blocks (block_k 128 > K, one masked step)
         got = mxfp4.mxfp4_matmul(x, packed, scales, impl="interpret")
     else:
@@ -126,6 +126,13 @@ def test_bad_shapes_raise(x_shape, p_shape, p_dtype, s_shape, match):
     args = (jnp.zeros(x_shape, jnp.float32), jnp.zeros(p_shape, p_dtype), jnp.zeros(s_shape, U8))
     with pytest.raises(ValueError, match=match):
         mxfp4.mxfp4_matmul(*args, impl="interpret")
+
+
+def test_split_must_divide_k_steps():
+    packed, scales = _random_mx(32, 96)
+    with pytest.raises(ValueError, match="split_k=2 must divide the 3 K steps"):
+        mxfp4.mxfp4_matmul_pallas(jnp.zeros((1, 96)), packed, scales,
+                                  blocks=mxfp4.Mxfp4Blocks(block_k=32, split_k=2))
 
 
 def test_quantize_bad_shape_raises():
