@@ -1,18 +1,42 @@
 """Attention of T new queries per row against a KV cache: target verify/decode and drafter blocks.
 
+Where it sits: the target's gated full-attention layers (verify and decode) and the DFlash drafter's
+attention layers call ``attention`` after RoPE and after writing the new K/V into the cache.
+
 One contract serves both hot paths. The cache holds K/V for positions ``[0, kv_len)`` per row,
 the new queries sit at positions ``q_start + t``. The target's verify is ``causal=True``; the
 DFlash drafter's block is ``causal=False`` (its block K/V were written behind the context), with
 ``window`` for its sliding-attention layers. GQA maps query head n to KV head n // (N // K), so
 non-power-of-two groups (6 for Qwen3.5-27B) work. Softmax runs in f32.
+
+The Pallas kernel is built for the decode/verify regime: few queries (T <= 16), a long cache,
+memory bound. One program owns one (row b, KV head, split of S): it stacks the T x group query
+rows that share the KV head into one [M, H] tile (M = T * group padded to a power of two >= 16, the
+smallest MMA-friendly height), so every K/V block is read from HBM once per KV head instead of once
+per query head. It walks S in blocks of ``block_k`` with an online softmax; the loop runs only over
+the blocks some query can see (``kv_len``, the causal edge and the window bound it), so a short
+row in a long-capacity cache costs its length, not the capacity. With ``k_splits > 1`` each program
+takes one contiguous share of those blocks and writes f32 partials (acc, max, sum) that a jnp
+combine merges: batch-1 decode has only K programs otherwise, far too few for 256 CUs.
+HBM traffic ~ 2 * B * K * kv_len * H * itemsize (K and V once) + the small q/o/partials.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
-
 from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Finite "minus infinity" for masked scores: exp(NEG - NEG) stays 1 instead of NaN, and masked
+# probabilities are zeroed explicitly, so fully masked blocks and empty splits add nothing.
+_NEG = -1e30
 
 
 def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None):
@@ -47,9 +71,231 @@ def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, s
     return o.reshape(B, T, N, H).astype(q.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionBlocks:
+    """Block configuration of the kernel (static; hashable so it can be a jit static argument).
+
+    block_k: keys per loop step (power of two >= 16). num_warps / num_stages: Triton launch
+    parameters (a gfx950 warp is a 64-lane wave, so num_warps <= 16). k_splits: programs per
+    (row, KV head) sharing the key range (split-K / flash-decoding); 1 writes the output directly.
+    """
+
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 1
+    k_splits: int = 1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def query_rows(T: int, group: int) -> int:
+    """M: the stacked query rows per program, T * group padded to a power of two, at least 16."""
+    return max(16, _next_pow2(T * group))
+
+
+def default_blocks(B: int, T: int, N: int, K: int, H: int, S: int) -> AttentionBlocks:
+    """The shipped configuration for a static shape (the compile report checks these at real shapes).
+
+    From the gfx950 compile report (triton 3.6): a decode-sized tile (M * H <= 16 * 256) runs
+    block_k 64 on 4 warps (~150 VGPRs, no spills); the verify tile [128, 256] needs block_k 32 on
+    8 warps to keep its f32 accumulator in registers (256 VGPRs; block_k 64 spills VGPRs and SGPRs,
+    16 warps spill too). Split-K fills the GPU (~256 programs for 256 CUs) when B * K is small, but
+    keeps >= 8 key blocks per split so the f32 partials stay small next to the K/V bytes.
+    """
+    small = query_rows(T, N // K) * H <= 16 * 256
+    block_k = 64 if small else 32
+    want = _next_pow2(max(1, -(-256 // (B * K))))
+    k_splits = max(1, min(want, S // (8 * block_k), 32))
+    return AttentionBlocks(block_k=block_k, num_warps=4 if small else 8, num_stages=1, k_splits=k_splits)
+
+
+def _attention_kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *out_refs,
+                      T, group, causal, window, scale, block_k, k_splits):
+    """One (row b, KV head, split) program.
+
+    q_start_ref, kv_len_ref: [1] int32 of row b. q_ref: [M, H], row r = t * group + g (rows past
+    T * group are padding). k_ref, v_ref: [S, H], the whole cache of this row and KV head; blocks
+    are loaded with a key mask, so S need not be a multiple of block_k and nothing past kv_len
+    (possibly uninitialised, even NaN) is ever read. out_refs: o [M, H] when k_splits == 1, else
+    acc [M, H] f32, m [M] f32, l [M] f32 (unnormalised partials for the combine).
+    """
+    M, H = q_ref.shape
+    q_start = q_start_ref[0]
+    kv_len = kv_len_ref[0]
+    # Key range any query of this program can see: [lo, hi).
+    hi = jnp.minimum(kv_len, q_start + T) if causal else kv_len
+    lo = jnp.maximum(q_start - window + 1, 0) if window is not None else jnp.int32(0)
+    first_blk = lo // block_k
+    num_blks = jnp.maximum((hi + block_k - 1) // block_k - first_blk, 0)
+    per_split = (num_blks + k_splits - 1) // k_splits
+    start_blk = first_blk + pl.program_id(2) * per_split
+    end_blk = jnp.minimum(start_blk + per_split, first_blk + num_blks)
+
+    q = q_ref[...]  # [M, H]
+    qpos = q_start + lax.broadcasted_iota(jnp.int32, (M, 1), 0) // group  # [M, 1]
+    # f32 inputs: ask for IEEE dots (the Triton default for f32 is TF32).
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def body(blk, carry):
+        m, l, acc = carry  # [M], [M], [M, H] f32
+        start = blk * block_k
+        kpos = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
+        load_mask = jnp.broadcast_to((kpos < kv_len).reshape(block_k, 1), (block_k, H))
+        kb = pltriton.load(k_ref.at[pl.ds(start, block_k), :], mask=load_mask, other=0)  # [bk, H]
+        s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) * scale  # [M, bk]
+        mask = kpos < kv_len
+        if causal:
+            mask = mask & (kpos <= qpos)
+        if window is not None:
+            mask = mask & (kpos > qpos - window)
+        s = jnp.where(mask, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
+        vb = pltriton.load(v_ref.at[pl.ds(start, block_k), :], mask=load_mask, other=0)  # [bk, H]
+        pv = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)  # [M, H]
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32), jnp.zeros((M, H), jnp.float32))
+    m, l, acc = lax.fori_loop(start_blk, end_blk, body, init)
+    if k_splits == 1:
+        (o_ref,) = out_refs
+        # l == 0 only for rows that see no key at all (padding rows): write 0, not NaN.
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    else:
+        acc_ref, m_ref, l_ref = out_refs
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _check_shapes(q, k, v, q_start, kv_len):
+    if q.ndim != 4:
+        raise ValueError(f"attention: q must be [B, T, N, H], got shape {q.shape}")
+    B, T, N, H = q.shape
+    if k.ndim != 4 or k.shape[0] != B or k.shape[3] != H:
+        raise ValueError(f"attention: k must be [B, S, K, H] = [{B}, S, K, {H}] to match q {q.shape}, "
+                         f"got shape {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"attention: v must have k's shape {k.shape}, got shape {v.shape}")
+    K = k.shape[2]
+    if N % K:
+        raise ValueError(f"attention: q heads N={N} (q {q.shape}) must be a multiple of KV heads K={K} "
+                         f"(k {k.shape})")
+    for name, x in (("q_start", q_start), ("kv_len", kv_len)):
+        if x.shape != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"attention: {name} must be an integer [B] = [{B}] array, "
+                             f"got shape {x.shape} dtype {x.dtype}")
+    if H & (H - 1) or H < 16:
+        raise ValueError(f"attention: the kernel needs a power-of-two head dim >= 16, "
+                         f"got H={H} (q {q.shape})")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_blocks(blocks: AttentionBlocks):
+    bk = blocks.block_k
+    if bk & (bk - 1) or bk < 16 or blocks.k_splits < 1 or not 1 <= blocks.num_warps <= 16:
+        raise ValueError(f"attention: bad blocks {blocks}: block_k must be a power of two >= 16, "
+                         "k_splits >= 1, 1 <= num_warps <= 16")
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "window", "scale", "blocks", "interpret"))
+def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, blocks=None,
+                     interpret=False):
+    """The Pallas kernel behind ``attention``; same contract. ``blocks=None`` picks ``default_blocks``."""
+    _check_shapes(q, k, v, q_start, kv_len)
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    blocks = default_blocks(B, T, N, K, H, S) if blocks is None else blocks
+    _check_blocks(blocks)
+    G = N // K
+    M = query_rows(T, G)
+    ks = blocks.k_splits
+    scale = H**-0.5 if scale is None else scale
+    # [B, T, N, H] -> [B, K, T * G, H] -> pad rows to M: the query rows sharing one KV head, stacked.
+    qr = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, M - T * G), (0, 0)))
+
+    kernel = functools.partial(_attention_kernel, T=T, group=G, causal=causal, window=window, scale=scale,
+                               block_k=blocks.block_k, k_splits=ks)
+    row_spec = pl.BlockSpec((1,), lambda b, h, s: (b,))
+    q_spec = pl.BlockSpec((None, None, M, H), lambda b, h, s: (b, h, 0, 0))
+    kv_spec = pl.BlockSpec((None, S, None, H), lambda b, h, s: (b, 0, h, 0))
+    if ks == 1:
+        out_shape = jax.ShapeDtypeStruct((B, K, M, H), q.dtype)
+        out_specs = q_spec
+    else:
+        out_shape = (jax.ShapeDtypeStruct((B, K, ks, M, H), jnp.float32),
+                     jax.ShapeDtypeStruct((B, K, ks, M), jnp.float32),
+                     jax.ShapeDtypeStruct((B, K, ks, M), jnp.float32))
+        out_specs = (pl.BlockSpec((None, None, None, M, H), lambda b, h, s: (b, h, s, 0, 0)),
+                     pl.BlockSpec((None, None, None, M), lambda b, h, s: (b, h, s, 0)),
+                     pl.BlockSpec((None, None, None, M), lambda b, h, s: (b, h, s, 0)))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(B, K, ks),
+        in_specs=[row_spec, row_spec, q_spec, kv_spec, kv_spec],
+        out_specs=out_specs,
+        compiler_params=triton_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
+        interpret=interpret,
+        name="attention",
+    )(q_start.astype(jnp.int32), kv_len.astype(jnp.int32), qr, k, v)
+    if ks > 1:
+        acc, m, l = out  # [B, K, ks, M, H], [B, K, ks, M] x2
+        m_all = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - m_all)  # empty splits have m = NEG and weigh 0
+        l_all = jnp.sum(l * w, axis=2)
+        out = jnp.sum(acc * w[..., None], axis=2) / jnp.where(l_all == 0, 1.0, l_all)[..., None]
+    # [B, K, M, H] -> [B, T, N, H]
+    o = out[:, :, : T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+    return o.astype(q.dtype)
+
+
 def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, impl=None):
     """Dispatching entry point; same contract as ``attention_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale)
-    raise NotImplementedError(f"attention: no Pallas kernel yet (mode {mode!r})")
+    return attention_pallas(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale,
+                            interpret=mode == "interpret")
+
+
+# Real Qwen3.5 attention shapes: (N, K, H, causal). The drafter attends non-causally over context + block.
+MODELS = {"27b": (24, 4, 256, True), "35b-a3b": (16, 2, 256, True), "drafter": (32, 8, 128, False)}
+
+
+def report_cases() -> list[KernelCase]:
+    """The shipped (default) configs at real shapes: batch 1 and 32, T = 1 (decode) and 16 (verify /
+    drafter block), context 4K and 32K, bf16, each row's cache full (kv_len = S, block just written)."""
+    cases = []
+    for model, (N, K, H, causal) in MODELS.items():
+        for B in (1, 32):
+            for T in ((16,) if model == "drafter" else (1, 16)):
+                for S in (4096, 32768):
+                    q_start = jnp.full((B,), S - T, jnp.int32)
+                    kv_len = jnp.full((B,), S, jnp.int32)
+                    blocks = default_blocks(B, T, N, K, H, S)
+                    # integer metadata is closed over so the args are pure data (the bench fills them)
+                    fn = functools.partial(_case_fn, attention_pallas, q_start, kv_len, causal, blocks)
+                    ref = functools.partial(_case_fn, attention_reference, q_start, kv_len, causal, None)
+                    dt = jnp.bfloat16
+                    args = (jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, S, K, H), dt),
+                            jax.ShapeDtypeStruct((B, S, K, H), dt))
+                    itemsize = jnp.dtype(dt).itemsize
+                    # K, V read once; q read, o written
+                    bytes_moved = (2 * B * S * K * H + 2 * B * T * N * H) * itemsize
+                    name = (f"attention/{model} b{B} t{T} ctx{S // 1024}k "
+                            f"bk{blocks.block_k} w{blocks.num_warps} ks{blocks.k_splits}")
+                    cases.append(KernelCase(name, fn, ref, args, bytes_moved))
+    return cases
+
+
+def _case_fn(f, q_start, kv_len, causal, blocks, q, k, v):
+    kwargs = {} if blocks is None else {"blocks": blocks}
+    return f(q, k, v, q_start, kv_len, causal=causal, **kwargs)

@@ -1,0 +1,124 @@
+"""The attention Pallas kernel: interpret-mode numerics against the jnp reference, ROCm/CUDA lowering at
+real Qwen3.5 shapes (no GPU needed), and shape errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from dflash_jax.kernels.attention import (
+    AttentionBlocks,
+    attention,
+    attention_pallas,
+    attention_reference,
+    report_cases,
+)
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def _inputs(B, T, N, K, H, S, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+    return q, k, v
+
+
+# Ragged rows (B = 3): a full cache whose length is not a multiple of block_k, a short row, and a
+# mid-length row; q_start covers verify (block just written: q_start = kv_len - T), decode past the
+# cache end (q_start = kv_len) and a drafter-like block well behind kv_len. Every query sees >= 1 key.
+def _rows(S, T):
+    kv_len = np.array([S, 37, 150])
+    q_start = np.array([S - T, 37, 150 - T - 20])
+    return jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+
+
+# (T, N, K, H, causal, window, dtype, blocks): a covering subset of T {1, 5, 16} x causal x window x
+# group {1, 6, 8} x H {256, 128} x dtype x split-K (1, 2, 3), few enough to keep interpret mode fast
+# (each case is a ~3 s XLA compile).
+CASES = [
+    (1, 12, 2, 256, True, None, jnp.bfloat16, AttentionBlocks(block_k=64)),
+    (16, 12, 2, 256, True, None, jnp.float32, None),  # the shipped verify config: block_k 32, 8 warps
+    (5, 16, 2, 128, True, 48, jnp.float32, AttentionBlocks(block_k=32, k_splits=2)),
+    (16, 16, 2, 128, False, None, jnp.bfloat16, AttentionBlocks(block_k=64, k_splits=3)),
+    (16, 4, 4, 128, False, 64, jnp.float32, AttentionBlocks(block_k=16)),
+    (1, 8, 1, 256, False, 32, jnp.float32, AttentionBlocks(block_k=64, k_splits=2)),
+    (16, 4, 4, 256, True, 40, jnp.bfloat16, AttentionBlocks(block_k=64)),
+]
+
+
+@pytest.mark.parametrize("T,N,K,H,causal,window,dtype,blocks", CASES)
+def test_interpret_matches_reference(T, N, K, H, causal, window, dtype, blocks):
+    S = 200
+    q, k, v = _inputs(3, T, N, K, H, S, dtype)
+    q_start, kv_len = _rows(S, T)
+    if blocks is None:  # the shipped config, reached through dispatch as the model calls it
+        out = attention(q, k, v, q_start, kv_len, causal=causal, window=window, impl="interpret")
+    else:
+        out = attention_pallas(q, k, v, q_start, kv_len, causal=causal, window=window, blocks=blocks,
+                               interpret=True)
+    ref = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_dispatch_reference_mode():
+    q, k, v = _inputs(1, 4, 4, 2, 128, 64, jnp.float32, seed=1)
+    q_start, kv_len = jnp.array([40], jnp.int32), jnp.array([44], jnp.int32)
+    np.testing.assert_array_equal(attention(q, k, v, q_start, kv_len, impl="reference"),
+                                  attention_reference(q, k, v, q_start, kv_len))
+
+
+# name: (B, T, N, K, H, S, causal): 27B verify, 35B-A3B decode at batch 32, drafter block (K = 8).
+REAL = {
+    "27b-verify": (1, 16, 24, 4, 256, 4096, True),
+    "35b-decode": (32, 1, 16, 2, 256, 4096, True),
+    "35b-verify": (1, 16, 16, 2, 256, 4096, True),
+    "drafter": (1, 16, 32, 8, 128, 4096, False),
+}
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+@pytest.mark.parametrize("name", list(REAL))
+def test_lowers_at_real_shapes(name, platform):
+    B, T, N, K, H, S, causal = REAL[name]
+    sd = jax.ShapeDtypeStruct
+    args = (sd((B, T, N, H), jnp.bfloat16), sd((B, S, K, H), jnp.bfloat16), sd((B, S, K, H), jnp.bfloat16),
+            sd((B,), jnp.int32), sd((B,), jnp.int32))
+    f = functools.partial(attention_pallas, causal=causal)
+    text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+
+
+def test_report_cases_are_real_shapes():
+    cases = report_cases()
+    assert len({c.name for c in cases}) == len(cases)
+    for c in cases:
+        q, k = c.args[0], c.args[1]
+        assert q.shape[3] in (128, 256) and k.shape[1] in (4096, 32768) and c.bytes_moved > 0
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q=(2, 4, 8, 64, 1)), "q must be"),
+    (dict(k=(2, 64, 2, 128)), "k must be"),
+    (dict(v=(2, 64, 2, 32)), "v must have"),
+    (dict(k=(2, 64, 3, 64), v=(2, 64, 3, 64)), "multiple of KV heads"),
+    (dict(kv_len=(3,)), "kv_len must be"),
+    (dict(q=(2, 4, 8, 96), k=(2, 64, 2, 96), v=(2, 64, 2, 96)), "power-of-two head dim"),
+])
+def test_bad_shapes_raise(change, match):
+    shapes = dict(q=(2, 4, 8, 64), k=(2, 64, 2, 64), v=(2, 64, 2, 64), q_start=(2,), kv_len=(2,))
+    shapes.update(change)
+    args = [jnp.zeros(shapes[n], jnp.int32 if n in ("q_start", "kv_len") else jnp.float32)
+            for n in ("q", "k", "v", "q_start", "kv_len")]
+    with pytest.raises(ValueError, match=match):
+        attention_pallas(*args, interpret=True)
+
+
+def test_bad_blocks_raise():
+    q, k, v = _inputs(1, 1, 2, 2, 64, 64, jnp.float32)
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        attention_pallas(q, k, v, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
+                         blocks=AttentionBlocks(block_k=48), interpret=True)
