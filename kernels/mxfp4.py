@@ -188,6 +188,7 @@ def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K:
     n, split, m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, cols = m * bm, n * bn
     ragged = K % bk != 0
+    row_limit = M if M % bm else None  # only a partial last row tile needs row masks
 
     def load(ref, r0, nr, c0, nc, row_limit, col_limit):
         # Masks only where the tile can leave the array: M rows, and K's last step when ragged.
@@ -202,7 +203,7 @@ def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K:
 
     def step(i, acc):
         k0 = (split * steps + i) * bk
-        x = load(x_ref, rows, bm, k0, bk, M, K)                                          # [bm, bk]
+        x = load(x_ref, rows, bm, k0, bk, row_limit, K)                                  # [bm, bk]
         packed = load(p_ref, cols, bn, k0 // 2, bk // 2, None, K // 2)                  # [bn, bk/2]
         scales = load(s_ref, cols, bn, k0 // BLOCK, bk // BLOCK, None, K // BLOCK)      # [bn, bk/32]
         w = _decode(packed, scales, bn, bk).astype(dot_dtype)
@@ -212,9 +213,9 @@ def _mxfp4_kernel(x_ref, p_ref, s_ref, o_ref, *, blocks: Mxfp4Blocks, M: int, K:
     # A static trip count (split_k divides the K steps) keeps the loop an scf.for Triton can pipeline.
     acc = lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
     acc = acc * _F16_SHIFT
-    mask = rows + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < M
     out = o_ref.at[pl.ds(rows, bm), pl.ds(cols, bn)] if o_ref.ndim == 2 else \
         o_ref.at[split, pl.ds(rows, bm), pl.ds(cols, bn)]
+    mask = None if row_limit is None else rows + lax.broadcasted_iota(jnp.int32, (bm, bn), 0) < M
     pltriton.store(out, acc.astype(o_ref.dtype), mask=mask)
 
 
