@@ -1,5 +1,10 @@
 """Gated DeltaNet (gated delta rule) kernels: chunked prefill, verify without state writes, commit replay.
 
+Where it sits: the GDN layers of the Qwen3.5 target call these after their projections, causal conv,
+q/k L2-norm and gate math; the state lives in the target cache. Prefill runs ``gdn_chunked``; each
+speculative step runs ``gdn_verify`` on the T <= 16 block tokens (cache untouched) and, once the
+acceptance length is known, ``gdn_replay`` applies the first n[b] of them (DESIGN.md "Caches and commit").
+
 Per (row, value head) the state S is a [Dk, Dv] f32 matrix and each token applies
 ``S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q`` (reference/qwen35.md §3.3).
 Inputs arrive already prepared by the layer: q and k L2-normalised (q also scaled by Dk^-0.5),
@@ -11,15 +16,43 @@ Three entry points share these semantics:
 - ``gdn_chunked``: whole prompts, chunk 64 (WY/UT form), returns outputs and the final state.
 - ``gdn_verify``: T <= 16 speculative tokens, outputs only; the cached state is read, never written.
 - ``gdn_replay``: the first n[b] of those tokens applied to the state (the commit step).
+
+Pallas kernels (Triton backend; all math in f32, f32 dots at ``Precision.HIGHEST`` because the
+Triton default for f32 is TF32). Each program owns one (row b, value head h, Dv tile of
+``block_v``); the key head is picked by the index map, so GQA costs no copies.
+- verify, grid (B, Hv, Dv/BV): the [Dk, BV] state tile is loaded once into registers and the T
+  tokens are applied in a fori_loop with elementwise products and reductions (the products are
+  rank-1 / matrix-vector, too thin for MMA). o_t is stored per token; the state is never stored.
+  HBM traffic = state read + q, k, v, g, beta read + o written: ~B*Hv*Dk*Dv*4 bytes dominate.
+- replay, grid (B, Hv, Dv/BV): same per-token step (shared with verify) in a loop of n[b] trips,
+  then one store of the tile into the aliased state. The loop body does not depend on T, so a
+  replay of n tokens is bit-identical whatever T the inputs were padded to, and n = 0 stores back
+  exactly what was loaded. Traffic = state read + written once, plus k, v, g, beta.
+- chunked, grid (B, Hv, Dv/BV): the program walks the chunks of 64 sequentially with the state
+  tile as the loop carry (FLA ``chunk_delta_h`` + ``chunk_o`` fused, no per-chunk states in HBM).
+  Per chunk: cumulative log-decay, A = strictly-lower(beta k k^T * Gamma), the unit-lower inverse
+  (I + A)^-1 by a 63-step forward substitution on the [64, 64] tile (row i extracted by a masked
+  reduction: no solve_triangular or value slicing in Pallas-Triton), WY factors U, W, then
+  V' = U - W S, O = (e^g Q) S + (Q K^T * Gamma) V', S <- e^g_C S + (e^(g_C - g) K)^T V'.
+  Cost per chunk and tile: ~5 [64,128]x[128,64]-sized dots on the key side (k k^T, q k^T, W) that
+  are recomputed by each of the Dv/BV tiles, ~5 dots of width BV on the value side, and the serial
+  substitution (63 masked row updates of a [64, 64] tile). Traffic is the minimum (q, k, v, g,
+  beta read once per Dv tile, o written once, the state read and written once); the duplicated
+  key-side work is the price of keeping one program per state tile without scratch memory.
+  T that is not a multiple of 64 is zero-padded by the wrapper (g = beta = 0 keeps the state).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
-
 from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
+from jax.experimental import pallas as pl
+from jax.scipy.linalg import solve_triangular
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -117,22 +150,280 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
     return jnp.moveaxis(o, 1, 2), state
 
 
+# ---------------------------------------------------------------------------------------------
+# Pallas kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class RecurrentBlocks:
+    """Tiling of the token-recurrent kernels (verify and replay): one program per [Dk, block_v] tile."""
+
+    block_v: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedBlocks:
+    """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``."""
+
+    block_v: int = 64
+    chunk: int = 64
+    num_warps: int = 8
+    num_stages: int = 1
+
+
+def _dot(a, b, contract=(1, 0)):
+    """2-D f32 dot contracting a's axis contract[0] with b's axis contract[1], IEEE f32 (not TF32)."""
+    return jax.lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+def _token_step(S, k, v, g, beta):
+    """One token of the gated delta rule on a state tile. S [Dk, BV], k [Dk], v [BV], g and beta scalars."""
+    S = S * jnp.exp(g)
+    u = beta * (v - jnp.sum(k[:, None] * S, axis=0))  # [BV]
+    return S + k[:, None] * u[None, :]
+
+
+def _gdn_verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref):
+    # q_ref, k_ref [T, Dk]; v_ref, o_ref [T, BV]; g_ref, beta_ref [T]; state_ref [Dk, BV]
+    f32 = jnp.float32
+
+    def body(t, S):
+        S = _token_step(S, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), g_ref[t], beta_ref[t])
+        o_ref[t, :] = jnp.sum(q_ref[t, :].astype(f32)[:, None] * S, axis=0)
+        return S
+
+    jax.lax.fori_loop(0, v_ref.shape[0], body, state_ref[...])
+
+
+def _gdn_replay_kernel(k_ref, v_ref, g_ref, beta_ref, n_ref, state_ref, state_out_ref):
+    # k_ref [T, Dk]; v_ref [T, BV]; g_ref, beta_ref [T]; n_ref [] int32; state refs [Dk, BV]
+    f32 = jnp.float32
+
+    def body(t, S):
+        return _token_step(S, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), g_ref[t], beta_ref[t])
+
+    # The trip count is n, not T: tokens past n are never touched, so the result cannot depend on T.
+    state_out_ref[...] = jax.lax.fori_loop(0, n_ref[()], body, state_ref[...])
+
+
+def _unit_lower_inverse(a):
+    """(I + a)^-1 for a strictly lower [C, C] a, by forward substitution.
+
+    Row i of the inverse is e_i - sum_{j<i} a_ij row_j; rows are finished in order, and a_ij = 0
+    for j >= i, so the not-yet-finished (identity) rows never contribute.
+    """
+    C = a.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    eye = jnp.where(row == col, 1.0, 0.0)
+
+    def body(i, inv):
+        a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C] row i of a: a_i[j] = a[i, j]
+        e_i = jnp.sum(jnp.where(row == i, eye, 0.0), axis=0)  # [C]
+        inv_i = e_i - jnp.sum(a_i[:, None] * inv, axis=0)  # [C]
+        return jnp.where(row == i, inv_i[None, :], inv)
+
+    return jax.lax.fori_loop(1, C, body, eye)
+
+
+def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk):
+    # q_ref, k_ref [Tp, Dk]; v_ref, o_ref [Tp, BV]; g_ref, beta_ref [Tp]; state refs [Dk, BV]
+    f32 = jnp.float32
+    C = chunk
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    pos = jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+
+    def body(c, S):  # S [Dk, BV]
+        rows = pl.ds(c * C, C)
+        q = q_ref[rows, :].astype(f32)  # [C, Dk]
+        k = k_ref[rows, :].astype(f32)  # [C, Dk]
+        v = v_ref[rows, :].astype(f32)  # [C, BV]
+        beta = beta_ref[rows]  # [C]
+        gc = jnp.cumsum(g_ref[rows])  # [C] log-decay from the chunk start, inclusive
+        # Masked before exp so that exp(gc_i - gc_j) for j > i (which can be huge) never exists.
+        gamma = jnp.exp(jnp.where(row >= col, gc[:, None] - gc[None, :], -jnp.inf))  # [C, C]
+        a = jnp.where(row > col, beta[:, None] * _dot(k, k, (1, 1)) * gamma, 0.0)
+        inv = _unit_lower_inverse(a)
+        u = _dot(inv, beta[:, None] * v)  # [C, BV]
+        w = _dot(inv, (beta * jnp.exp(gc))[:, None] * k)  # [C, Dk]
+        v_new = u - _dot(w, S)  # [C, BV]
+        o = _dot(q * jnp.exp(gc)[:, None], S) + _dot(_dot(q, k, (1, 1)) * gamma, v_new)
+        o_ref[rows, :] = o
+        last = jnp.sum(jnp.where(pos == C - 1, gc, 0.0))  # gc[C-1] without value slicing
+        return jnp.exp(last) * S + _dot(k * jnp.exp(last - gc)[:, None], v_new, (0, 0))
+
+    num_chunks = v_ref.shape[0] // C
+    state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, body, state_ref[...])
+
+
+def _check_shapes(name, q, k, v, g, beta, state, n=None):
+    """Validates the shared GDN contract; returns (B, T, Hk, Hv, Dk, Dv)."""
+    if k.ndim != 4:
+        raise ValueError(f"{name}: k must be [B, T, Hk, Dk], got shape {k.shape}")
+    B, T, Hk, Dk = k.shape
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"{name}: q must have k's shape {k.shape} [B, T, Hk, Dk], got shape {q.shape}")
+    if v.ndim != 4 or v.shape[:2] != (B, T):
+        raise ValueError(f"{name}: v must be [B={B}, T={T}, Hv, Dv], got shape {v.shape}")
+    Hv, Dv = v.shape[2], v.shape[3]
+    if Hv % Hk:
+        raise ValueError(f"{name}: value heads {Hv} (v shape {v.shape}) must be a multiple of key heads "
+                         f"{Hk} (k shape {k.shape})")
+    for arg, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, Hv):
+            raise ValueError(f"{name}: {arg} must be [B, T, Hv] = {(B, T, Hv)}, got shape {x.shape}")
+    if state.shape != (B, Hv, Dk, Dv):
+        raise ValueError(f"{name}: state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}, "
+                         f"got shape {state.shape}")
+    if n is not None and n.shape != (B,):
+        raise ValueError(f"{name}: n must be [B] = {(B,)}, got shape {n.shape}")
+    for arg, d in (("Dk", Dk), ("Dv", Dv)):
+        if d & (d - 1):
+            raise ValueError(f"{name}: {arg} = {d} must be a power of two (Triton block sizes)")
+    return B, T, Hk, Hv, Dk, Dv
+
+
+def _recurrent_specs(T, Dk, BV, group):
+    """BlockSpecs over grid (b, h, j): k [B,T,Hk,Dk], v [B,T,Hv,Dv], g/beta [B,T,Hv], state [B,Hv,Dk,Dv]."""
+    key = pl.BlockSpec((None, T, None, Dk), lambda b, h, j: (b, 0, h // group, 0))
+    value = pl.BlockSpec((None, T, None, BV), lambda b, h, j: (b, 0, h, j))
+    gate = pl.BlockSpec((None, T, None), lambda b, h, j: (b, 0, h))
+    state = pl.BlockSpec((None, None, Dk, BV), lambda b, h, j: (b, h, 0, j))
+    return key, value, gate, state
+
+
+def _block_v(blocks, Dv):
+    return min(blocks.block_v, Dv)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def gdn_verify_pallas(q, k, v, g, beta, state, *, blocks=RecurrentBlocks(), interpret=False):
+    """Pallas kernel for ``gdn_verify_reference`` (same arguments and result)."""
+    B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_verify", q, k, v, g, beta, state)
+    BV = _block_v(blocks, Dv)
+    key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
+    return pl.pallas_call(
+        _gdn_verify_kernel,
+        out_shape=jax.ShapeDtypeStruct((B, T, Hv, Dv), jnp.float32),
+        grid=(B, Hv, Dv // BV),
+        in_specs=[key, key, value, gate, gate, st],
+        out_specs=value,
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="gdn_verify",
+    )(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def gdn_replay_pallas(k, v, g, beta, state, n, *, blocks=RecurrentBlocks(), interpret=False):
+    """Pallas kernel for ``gdn_replay_reference``; the new state aliases the old one."""
+    B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_replay", None, k, v, g, beta, state, n)
+    BV = _block_v(blocks, Dv)
+    key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
+    count = pl.BlockSpec((None,), lambda b, h, j: (b,))
+    return pl.pallas_call(
+        _gdn_replay_kernel,
+        out_shape=jax.ShapeDtypeStruct((B, Hv, Dk, Dv), jnp.float32),
+        grid=(B, Hv, Dv // BV),
+        in_specs=[key, value, gate, gate, count, st],
+        out_specs=st,
+        input_output_aliases={5: 0},
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="gdn_replay",
+    )(k, v, g.astype(jnp.float32), beta.astype(jnp.float32), n.astype(jnp.int32), state.astype(jnp.float32))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), interpret=False):
+    """Pallas kernel for ``gdn_chunked_reference`` (same arguments and results)."""
+    B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_chunked", q, k, v, g, beta, state)
+    BV, C = _block_v(blocks, Dv), blocks.chunk
+    pad = -T % C
+    if pad:  # zero tokens with g = beta = 0 leave the state unchanged; their outputs are dropped
+        widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)
+        q, k, v, g, beta = (jnp.pad(x, widths(x)) for x in (q, k, v, g, beta))
+    Tp = T + pad
+    key, value, gate, st = _recurrent_specs(Tp, Dk, BV, Hv // Hk)
+    o, state = pl.pallas_call(
+        functools.partial(_gdn_chunked_kernel, chunk=C),
+        out_shape=(jax.ShapeDtypeStruct((B, Tp, Hv, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, Hv, Dk, Dv), jnp.float32)),
+        grid=(B, Hv, Dv // BV),
+        in_specs=[key, key, value, gate, gate, st],
+        out_specs=(value, st),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+        name="gdn_chunked",
+    )(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), state.astype(jnp.float32))
+    return (o[:, :T] if pad else o), state
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatching entry points
+
+
 def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
+    """Whole-prompt GDN; same contract as ``gdn_chunked_reference``: (o [B,T,Hv,Dv] f32, state)."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_chunked_reference(q, k, v, g, beta, state)
-    raise NotImplementedError(f"gdn_chunked: no Pallas kernel yet (mode {mode!r})")
+    return gdn_chunked_pallas(q, k, v, g, beta, state, interpret=mode == "interpret")
 
 
 def gdn_verify(q, k, v, g, beta, state, *, impl=None):
+    """Verify outputs without a state write; same contract as ``gdn_verify_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_verify_reference(q, k, v, g, beta, state)
-    raise NotImplementedError(f"gdn_verify: no Pallas kernel yet (mode {mode!r})")
+    return gdn_verify_pallas(q, k, v, g, beta, state, interpret=mode == "interpret")
 
 
 def gdn_replay(k, v, g, beta, state, n, *, impl=None):
+    """Commit: the state after the first n[b] tokens; same contract as ``gdn_replay_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_replay_reference(k, v, g, beta, state, n)
-    raise NotImplementedError(f"gdn_replay: no Pallas kernel yet (mode {mode!r})")
+    return gdn_replay_pallas(k, v, g, beta, state, n, interpret=mode == "interpret")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shipped configurations, for the compile report and the GPU bench
+
+# (name, Hk, Hv); Dk = Dv = 128 for both (reference/qwen35.md §3.1)
+_MODELS = (("27b", 16, 48), ("35b_a3b", 16, 32))
+
+
+def report_cases() -> list[KernelCase]:
+    """The three GDN kernels at the real Qwen3.5 shapes: batch 1 and 32, T = 16 (verify, replay), and
+    a 4096-token prefill (chunked); bf16 q/k/v, f32 gates and state."""
+    sds, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    D = 128
+    cases = []
+    for model, Hk, Hv in _MODELS:
+        for B, T, kind in ((1, 16, "step"), (32, 16, "step"), (1, 4096, "prefill")):
+            qk = sds((B, T, Hk, D), bf16)
+            v = sds((B, T, Hv, D), bf16)
+            gate = sds((B, T, Hv), f32)
+            state = sds((B, Hv, D, D), f32)
+            inputs = 2 * qk.size * 2 + v.size * 2 + 2 * gate.size * 4  # q, k, v, g, beta
+            state_bytes, o_bytes = state.size * 4, v.size * 4
+            tag = f"{model}/b{B}/t{T}"
+            if kind == "prefill":
+                cases.append(KernelCase(
+                    f"gdn_chunked/{tag}", functools.partial(gdn_chunked_pallas, blocks=ChunkedBlocks()),
+                    gdn_chunked_reference, (qk, qk, v, gate, gate, state),
+                    inputs + o_bytes + 2 * state_bytes))
+                continue
+            cases.append(KernelCase(
+                f"gdn_verify/{tag}", functools.partial(gdn_verify_pallas, blocks=RecurrentBlocks()),
+                gdn_verify_reference, (qk, qk, v, gate, gate, state), inputs + o_bytes + state_bytes))
+            cases.append(KernelCase(
+                f"gdn_replay/{tag}", functools.partial(gdn_replay_pallas, blocks=RecurrentBlocks()),
+                gdn_replay_reference, (qk, v, gate, gate, state, sds((B,), jnp.int32)),
+                inputs - qk.size * 2 + B * 4 + 2 * state_bytes))
+    return cases
