@@ -1,0 +1,289 @@
+"""The building blocks of Qwen3.5 and of the DFlash drafter, as Flax NNX modules.
+
+Sits between the kernels (``dflash_jax.kernels``, which own the hot loops) and the models
+(``target.py``, ``drafter.py``). Attribute names mirror the Hugging Face checkpoint keys and weights
+keep the checkpoint's orientation (a Linear weight is [out, in]), so a parameter's path is its key.
+Numerics follow transformers: norms and gates in f32, the gated delta rule in f32, softmax in f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax import kernels
+from dflash_jax.config import TargetConfig
+
+
+def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+class Linear(nnx.Module):
+    """``y = x W^T`` with W stored [out, in] as in PyTorch checkpoints; no bias."""
+
+    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (dout, din), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+
+
+class Embedding(nnx.Module):
+    def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (vocab, dim), dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], tokens, axis=0)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: logits against the embedding table."""
+        return jnp.einsum("...d,vd->...v", x, self.weight[...])
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis.
+
+    ``zero_centred=True`` is Qwen3.5's norm: ``x_hat * (1 + w)`` computed in f32 and cast last (the
+    checkpoint stores offsets from 1). ``zero_centred=False`` is the Qwen3 norm used by the drafter:
+    ``w * x_hat``, with x_hat cast to the input dtype first.
+    """
+
+    def __init__(self, dim: int, eps: float, *, zero_centred: bool, dtype):
+        self.eps = eps
+        self.zero_centred = zero_centred
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if zero_centred else jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        if self.zero_centred:
+            return (h * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...] * h.astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """GDN output norm: per head over Dv with a plain (not zero-centred) weight, then ``* silu(z)``."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        h = self.weight[...] * h.astype(x.dtype)
+        return (h * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, *, theta: float, rotary_dim: int) -> jax.Array:
+    """NeoX ("rotate half") RoPE on the first ``rotary_dim`` channels of each head.
+
+    Args:
+      x: [B, T, N, H]; positions: [B, T] absolute token positions.
+    """
+    half = rotary_dim // 2
+    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)  # [half]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
+    # transformers builds cos/sin in f32 and casts them to the activation dtype before rotating.
+    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
+    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
+    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Writes new[b] ([T, ...]) into cache[b] ([S, ...]) at row start[b], per row."""
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, start)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(hidden, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nnx.Module):
+    """Routed experts in the fused checkpoint layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+
+    def __init__(self, num: int, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
+        self.gate_up_proj = _normal(rngs, (num, 2 * hidden, dim), dtype)
+        self.down_proj = _normal(rngs, (num, dim, hidden), dtype)
+
+
+class SparseMoeBlock(nnx.Module):
+    """Qwen3.5 MoE: softmax over all experts (f32), top-k, renormalise; plus a sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.top_k = cfg.num_experts_per_tok
+        self.gate = Linear(D, cfg.num_experts, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.num_experts, D, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(D, cfg.shared_expert_intermediate_size, dtype=dtype, rngs=rngs)
+        self.shared_expert_gate = Linear(D, 1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [M, D]
+        logits = self.gate(x)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)  # [M, k]
+        weights = (weights / weights.sum(-1, keepdims=True)).astype(x.dtype)
+        # Sort the (token, expert) pairs by expert so each expert sees one contiguous group of rows.
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // self.top_k
+        sizes = jnp.bincount(flat, length=self.gate.weight.shape[0]).astype(jnp.int32)
+        h = kernels.grouped_matmul(x[token], self.experts.gate_up_proj[...], sizes)  # [M*k, 2I]
+        I = h.shape[-1] // 2
+        h = jax.nn.silu(h[:, :I]) * h[:, I:]
+        y = kernels.grouped_matmul(h, self.experts.down_proj[...], sizes)  # [M*k, D]
+        y = y * weights.reshape(-1)[order][:, None]
+        routed = jnp.zeros_like(x).at[token].add(y)
+        shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return (routed + shared).reshape(shape)
+
+
+class GatedAttention(nnx.Module):
+    """Qwen3.5 full attention: per-head interleaved query/gate, q/k norms, partial RoPE, GQA, sigmoid gate."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(D, N * H * 2, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+
+    def __call__(self, x, k_cache, v_cache, start):
+        """Attends T new tokens at positions start[b] + t over the cache, writing their K/V first.
+
+        Args:
+          x: [B, T, D]; k_cache, v_cache: [B, S, K, H]; start: [B] int32 (tokens already cached).
+        Returns:
+          ([B, T, D], k_cache, v_cache) with rows [start, start + T) written.
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        positions = start[:, None] + jnp.arange(T)[None, :]
+        qg = self.q_proj(x).reshape(B, T, N, 2 * H)
+        q, gate = qg[..., :H], qg[..., H:].reshape(B, T, N * H)
+        q = rope(self.q_norm(q), positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, K, H))
+        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        v = self.v_proj(x).reshape(B, T, K, H)
+        k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
+        v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)
+        o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=True)
+        o = o.reshape(B, T, N * H) * jax.nn.sigmoid(gate)
+        return self.o_proj(o), k_cache, v_cache
+
+
+class DepthwiseConv(nnx.Module):
+    """Holds the causal depthwise conv weight [C, 1, K] (applied in ``GatedDeltaNet._prepare``)."""
+
+    def __init__(self, channels: int, taps: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = _normal(rngs, (channels, 1, taps), dtype, std=taps**-0.5)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5 linear attention: causal depthwise conv + SiLU on q/k/v, then the gated delta rule.
+
+    The recurrent state cannot be cropped after a speculative verify, so verify does not produce
+    one: it returns the per-token inputs of the update (``pending``) and ``commit`` replays the
+    accepted prefix from the old state (see DESIGN.md, "Caches and commit").
+    """
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads
+        self.cfg = cfg
+        self.in_proj_qkv = Linear(D, C, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(D, Hv, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(D, Hv, dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv(C, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
+        # Decay parameters stay f32 whatever the model dtype: they feed exp() of a cumulative sum.
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), minval=1.0, maxval=16.0)))
+        self.dt_bias = nnx.Param(jnp.ones((Hv,), jnp.float32))
+        self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, rngs=rngs)
+
+    def _prepare(self, x, conv_window):
+        """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).
+
+        Returns q, k [B,T,Hk,Dk] (L2-normalised, q scaled), v [B,T,Hv,Dv], g, beta [B,T,Hv] f32,
+        z [B,T,Hv,Dv] and the raw conv inputs ``mixed`` [B,T,C].
+        """
+        cfg = self.cfg
+        B, T, _ = x.shape
+        Hk, Hv, Dk, Dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                          cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        mixed = self.in_proj_qkv(x)
+        full = jnp.concatenate([conv_window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
+        w = self.conv1d.weight[...][:, 0, :]  # [C, K]; tap K-1 multiplies the current token
+        taps = w.shape[1]
+        y = sum(full[:, j:j + T, :] * w[:, j] for j in range(taps))
+        y = jax.nn.silu(y)
+        kd = cfg.linear_key_dim
+        q = y[..., :kd].reshape(B, T, Hk, Dk).astype(jnp.float32)
+        k = y[..., kd:2 * kd].reshape(B, T, Hk, Dk).astype(jnp.float32)
+        v = y[..., 2 * kd:].reshape(B, T, Hv, Dv)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * (Dk**-0.5)
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias[...])
+        z = self.in_proj_z(x).reshape(B, T, Hv, Dv)
+        return q, k, v, g, beta, z, mixed
+
+    def _output(self, o, z, dtype):
+        B, T = o.shape[:2]
+        return self.out_proj(self.norm(o.astype(dtype), z).reshape(B, T, -1))
+
+    def prefill(self, x, lengths):
+        """A right-padded prompt batch from an empty state.
+
+        Args:
+          x: [B, P, D]; lengths: [B] real tokens per row (positions >= length are padding).
+        Returns:
+          ([B, P, D], conv window [B, K-1, C], state [B, Hv, Dk, Dv] f32) after exactly lengths[b] tokens.
+        """
+        cfg = self.cfg
+        B, P, _ = x.shape
+        window = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), x.dtype)
+        q, k, v, g, beta, z, mixed = self._prepare(x, window)
+        real = (jnp.arange(P)[None, :] < lengths[:, None])[..., None]  # [B, P, 1]
+        g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)  # padding leaves the state as is
+        state0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                            cfg.linear_value_head_dim), jnp.float32)
+        o, state = kernels.gdn_chunked(q, k, v, g, beta, state0)
+        return self._output(o, z, x.dtype), slide_window(window, mixed, lengths), state
+
+    def verify(self, x, conv_window, state):
+        """T speculative tokens; reads the state, writes nothing.
+
+        Returns ([B, T, D], pending) where pending = (mixed, k, v, g, beta) for ``commit``.
+        """
+        q, k, v, g, beta, z, mixed = self._prepare(x, conv_window)
+        o = kernels.gdn_verify(q, k, v, g, beta, state)
+        return self._output(o, z, x.dtype), (mixed, k, v, g, beta)
+
+
+def slide_window(window: jax.Array, mixed: jax.Array, n: jax.Array) -> jax.Array:
+    """The conv window after the first n[b] of T new inputs: the last K-1 raw inputs up to that token.
+
+    Args:
+      window: [B, K-1, C] inputs before the new tokens; mixed: [B, T, C]; n: [B] in 0..T.
+    """
+    full = jnp.concatenate([window, mixed.astype(window.dtype)], axis=1)  # [B, K-1+T, C]
+    return jax.vmap(lambda f, s: jax.lax.dynamic_slice_in_dim(f, s, window.shape[1], axis=0))(full, n)

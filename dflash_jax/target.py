@@ -1,0 +1,230 @@
+"""The Qwen3.5 target model (dense and MoE): prefill, verify and commit on explicit caches.
+
+Sits on top of ``layers.py`` and ``cache.py`` and below the proposers and the loop. The NNX modules
+mirror the HF checkpoint tree, so a parameter's path is its checkpoint key. At jit boundaries the
+model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify`` merge them inside the
+trace. Both return the hidden states of requested layers ("taps": the output of layer i, HF's
+``hidden_states[i + 1]``), which the DFlash drafter consumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax import checkpoint
+from dflash_jax.cache import AttentionCache, GDNCache, GDNPending, TargetCache, commit, init_cache
+from dflash_jax.config import TargetConfig
+from dflash_jax.layers import MLP, Embedding, GatedAttention, GatedDeltaNet, Linear, RMSNorm, SparseMoeBlock
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        if kind == "full_attention":
+            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+        if cfg.is_moe:
+            self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def mix_then_mlp(self, x, mixer):
+        """Pre-norm residual block around ``mixer`` (attention or GDN), which returns (out, extra)."""
+        h, extra = mixer(self.input_layernorm(x))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), extra
+
+
+class TextModel(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+
+
+class MTP(nnx.Module):
+    """Qwen3.5's multi-token-prediction head (``mtp.*``): fc([norm(embed), norm(hidden)]) -> one layer."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.fc = Linear(2 * D, D, dtype=dtype, rngs=rngs)
+        self.pre_fc_norm_embedding = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.pre_fc_norm_hidden = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype=dtype, rngs=rngs)
+                                for _ in range(cfg.mtp_num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.model = TextModel(cfg, dtype=dtype, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states [..., D] -> [..., V]."""
+        return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    logits: jax.Array  # prefill: [B, V] at each row's last real token; verify: [B, T, V]
+    taps: jax.Array  # [B, T, len(taps) * D]: the requested layer outputs, concatenated
+    hidden: jax.Array  # [B, T, D] final-normed hidden states
+
+
+def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
+    """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None)."""
+    x = model.model.embed_tokens(tokens)
+    start = cache.lengths
+    new_layers, tapped = [], {}
+    for i, (layer, c) in enumerate(zip(model.model.layers, cache.layers, strict=True)):
+        with jax.named_scope(f"layer{i}"):
+            if isinstance(c, AttentionCache):
+                x, kv = layer.mix_then_mlp(x, lambda h, c=c, layer=layer: _pack_attn(
+                    layer.self_attn(h, c.k, c.v, start)))
+                new_layers.append(AttentionCache(*kv))
+            elif lengths is not None:
+                x, (conv, state) = layer.mix_then_mlp(
+                    x, lambda h, layer=layer: _pack_gdn(layer.linear_attn.prefill(h, lengths)))
+                new_layers.append(GDNCache(conv=conv, state=state))
+            else:
+                x, pending = layer.mix_then_mlp(x, lambda h, c=c, layer=layer: layer.linear_attn.verify(
+                    h, c.conv, c.state))
+                new_layers.append(GDNCache(conv=c.conv, state=c.state, pending=GDNPending(*pending)))
+        if i in taps:
+            tapped[i] = x
+    hidden = model.model.norm(x)
+    tap_out = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros(
+        x.shape[:2] + (0,), x.dtype)
+    return hidden, tap_out, new_layers
+
+
+def _pack_attn(out):
+    o, k, v = out
+    return o, (k, v)
+
+
+def _pack_gdn(out):
+    o, conv, state = out
+    return o, (conv, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "taps"))
+def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int, ...] = ()):
+    """Processes a right-padded prompt batch into a fresh cache.
+
+    Args:
+      graphdef, params: ``nnx.split`` of a ``Qwen35ForCausalLM``.
+      tokens: [B, P] int32, row b real up to lengths[b]; lengths: [B] int32 in 1..P.
+      capacity: cache length S (static), >= P.
+      taps: layer ids whose outputs are returned (static).
+    Returns:
+      (TargetOutput with logits [B, V] at each row's last real token, TargetCache with lengths).
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    if tokens.shape[1] > capacity:
+        raise ValueError(f"prefill: prompt bucket {tokens.shape[1]} exceeds cache capacity {capacity}")
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = init_cache(cfg, tokens.shape[0], capacity, dtype)
+    lengths = lengths.astype(jnp.int32)
+    hidden, tap_out, layers = _run(model, tokens, cache, lengths, taps)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    out = TargetOutput(logits=model.logits(last), taps=tap_out, hidden=hidden)
+    return out, TargetCache(lengths=lengths, layers=tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+    """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
+
+    Args:
+      tokens: [B, T] int32; cache: a committed TargetCache (callers keep lengths + T <= capacity).
+    Returns:
+      (TargetOutput with logits [B, T, V], the cache with K/V rows written and GDN inputs pending);
+      pass it to ``commit(cache, n)``.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, tap_out, layers = _run(model, tokens, cache, None, taps)
+    out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
+    return out, TargetCache(lengths=cache.lengths, layers=tuple(layers))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A loaded target: config, the static graph and its parameters (a pytree)."""
+
+    cfg: TargetConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+    @property
+    def dtype(self):
+        return self.params["model"]["embed_tokens"]["weight"].get_value().dtype
+
+    def module(self) -> Qwen35ForCausalLM:
+        return nnx.merge(self.graphdef, self.params)
+
+    def prefill(self, tokens, lengths, *, capacity: int, taps: tuple[int, ...] = ()):
+        return prefill(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32),
+                       jnp.asarray(lengths, jnp.int32), capacity=capacity, taps=tuple(taps))
+
+    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+        return verify(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), cache, taps=tuple(taps))
+
+    @staticmethod
+    def commit(cache: TargetCache, n) -> TargetCache:
+        return _commit(cache, jnp.asarray(n, jnp.int32))
+
+
+_commit = jax.jit(commit)
+
+
+def _abstract_model(cfg: TargetConfig, dtype, mtp: bool):
+    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=nnx.Rngs(0)))
+
+
+def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed: int = 0) -> Target:
+    """A target with freshly initialised weights (tests, pretraining)."""
+    graphdef, params = nnx.split(Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=nnx.Rngs(seed)))
+    return Target(cfg, graphdef, params)
+
+
+def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None,
+                progress: bool = True) -> Target:
+    """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
+
+    Args:
+      path: directory with config.json and model.safetensors (or sharded + index.json).
+      dtype: parameter dtype (the GDN decay parameters stay f32).
+      mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
+    """
+    path = Path(path)
+    cfg = TargetConfig.from_pretrained(path)
+    has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
+    use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
+    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, use_mtp))
+    flat = nnx.to_flat_state(abstract)
+    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    ignore = [r"model\.visual\.", r"model\.language_model\.visual\.", r"visual\."]
+    if not use_mtp:
+        ignore.append(r"mtp\.")
+    if cfg.tie_word_embeddings:
+        ignore.append(re.escape("lm_head.weight"))
+    arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
+    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
+    return Target(cfg, graphdef, params)

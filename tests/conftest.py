@@ -1,0 +1,74 @@
+"""Tiny Qwen3.5 checkpoints written by transformers itself: the oracle every target test compares to."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+# Hv/Hk = 3 and a GQA group of 6, as in Qwen3.5-27B.
+DENSE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=1,
+             head_dim=16, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8,
+             linear_value_head_dim=8, intermediate_size=48, rope_parameters=dict(
+                 rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+# top-k 2 of 8 experts with a shared expert, as in Qwen3.5-35B-A3B (there: top-8 of 256).
+MOE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+           head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=24)
+
+
+def _perturb(model):
+    """Random init leaves every norm weight at its neutral value; perturb them so norms are tested."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    return model.eval()
+
+
+def _build(kind: str):
+    torch.manual_seed(0)
+    if kind == "dense":
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**DENSE))
+    else:
+        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**MOE))
+    return _perturb(model)
+
+
+@pytest.fixture(scope="session")
+def hf_dense(tmp_path_factory):
+    model = _build("dense")
+    path = tmp_path_factory.mktemp("dense")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="session")
+def hf_moe(tmp_path_factory):
+    model = _build("moe")
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="session")
+def hf_moe_conditional(hf_moe, tmp_path_factory):
+    """The MoE model rewritten in the official multimodal layout: nested text_config,
+    ``model.language_model.*`` keys, fused experts, and a vision tensor the loader must ignore."""
+    from safetensors.torch import save_file
+
+    model, _ = hf_moe
+    path = tmp_path_factory.mktemp("moe_vl")
+    config = transformers.Qwen3_5MoeConfig(text_config=model.config.to_dict())
+    config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+    (path / "config.json").write_text(json.dumps(config.to_dict()))
+    tensors = {k.replace("model.", "model.language_model.", 1): v.contiguous()
+               for k, v in model.state_dict().items()}  # in-memory experts are already fused
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    save_file(tensors, str(path / "model.safetensors"))
+    return model, path
