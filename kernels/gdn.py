@@ -29,17 +29,20 @@ Triton default for f32 is TF32). Each program owns one (row b, value head h, Dv 
   replay of n tokens is bit-identical whatever T the inputs were padded to, and n = 0 stores back
   exactly what was loaded. Traffic = state read + written once, plus k, v, g, beta.
 - chunked, grid (B, Hv, Dv/BV): the program walks the chunks of 64 sequentially with the state
-  tile as the loop carry (FLA ``chunk_delta_h`` + ``chunk_o`` fused, no per-chunk states in HBM).
-  Per chunk: cumulative log-decay, A = strictly-lower(beta k k^T * Gamma), the unit-lower inverse
-  (I + A)^-1 by a 63-step forward substitution on the [64, 64] tile (row i extracted by a masked
-  reduction: no solve_triangular or value slicing in Pallas-Triton), WY factors U, W, then
+  tile as the loop carry (FLA ``chunk_delta_h`` + ``chunk_o`` fused, no per-chunk states in HBM),
+  held as Dk/BK row slices [BK, BV] so that no dot operand spans all of Dk (f32 operands of a
+  [64, 128] dot alone fill the register file). Per chunk: cumulative log-decay,
+  A = strictly-lower(beta k k^T * Gamma), the unit-lower inverse (I + A)^-1 by a 63-step forward
+  substitution on the [64, 64] tile (rows picked with one-hot vectors and reductions: no
+  solve_triangular or value slicing in Pallas-Triton), the WY factors, then
   V' = U - W S, O = (e^g Q) S + (Q K^T * Gamma) V', S <- e^g_C S + (e^(g_C - g) K)^T V'.
-  Cost per chunk and tile: ~5 [64,128]x[128,64]-sized dots on the key side (k k^T, q k^T, W) that
-  are recomputed by each of the Dv/BV tiles, ~5 dots of width BV on the value side, and the serial
-  substitution (63 masked row updates of a [64, 64] tile). Traffic is the minimum (q, k, v, g,
-  beta read once per Dv tile, o written once, the state read and written once); the duplicated
-  key-side work is the price of keeping one program per state tile without scratch memory.
-  T that is not a multiple of 64 is zero-padded by the wrapper (g = beta = 0 keeps the state).
+  Cost per chunk and program: the key side (k k^T, q k^T, W = inv (beta e^g K): 3 x 64*64*Dk MACs,
+  plus the serial substitution, ~5 [64, 64] elementwise passes and 2 reductions per step) is
+  recomputed by each of the Dv/BV programs of a head; the value side is ~5 dots of width BV. HBM
+  traffic is the minimum per program (q, k, v, g, beta read once, o written once, the state read
+  and written once); the duplicated key-side compute is the price of one program per state tile
+  without scratch memory. T that is not a multiple of 64 is zero-padded by the wrapper (g = beta
+  = 0 keeps the state), which costs a copy of the inputs.
 """
 
 from __future__ import annotations
@@ -156,7 +159,11 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
 
 @dataclasses.dataclass(frozen=True)
 class RecurrentBlocks:
-    """Tiling of the token-recurrent kernels (verify and replay): one program per [Dk, block_v] tile."""
+    """Tiling of the token-recurrent kernels (verify and replay): one program per [Dk, block_v] tile.
+
+    The default holds a [128, 32] f32 tile in 4 wavefronts: ~50 VGPRs, no spills, 512 B LDS on
+    gfx950; 192 programs per layer for the 27B at batch 1 (48 heads x 4 tiles).
+    """
 
     block_v: int = 32
     num_warps: int = 4
@@ -165,11 +172,18 @@ class RecurrentBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedBlocks:
-    """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``."""
+    """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``,
+    the Dk contractions split into block_k slices.
 
-    block_v: int = 64
+    Chosen from the gfx950 compile figures at Dk = 128 (triton 3.6): (16, 32, 2 warps) is the
+    largest tile without spills (~464 VGPR incl. AGPR, 36 KiB LDS); (32, 32, 4 warps) leaves one
+    SGPR pair spilled, wider tiles or whole-Dk (block_k = 128) operands spill VGPRs.
+    """
+
+    block_v: int = 16
+    block_k: int = 32
     chunk: int = 64
-    num_warps: int = 8
+    num_warps: int = 2
     num_stages: int = 1
 
 
@@ -209,55 +223,70 @@ def _gdn_replay_kernel(k_ref, v_ref, g_ref, beta_ref, n_ref, state_ref, state_ou
     state_out_ref[...] = jax.lax.fori_loop(0, n_ref[()], body, state_ref[...])
 
 
-def _unit_lower_inverse(a):
-    """(I + a)^-1 for a strictly lower [C, C] a, by forward substitution.
+def _unit_lower_inverse(a_t):
+    """(I + a)^-1 for a strictly lower [C, C] a, given as its transpose a_t, by forward substitution.
 
-    Row i of the inverse is e_i - sum_{j<i} a_ij row_j; rows are finished in order, and a_ij = 0
-    for j >= i, so the not-yet-finished (identity) rows never contribute.
+    Row i of the inverse is e_i + d_i with d_i = -sum_{j<i} a_ij row_j. Rows are finished in order
+    and a_ij = 0 for j >= i, so the not-yet-finished (identity) rows never contribute; d_i is 0 in
+    column i (earlier rows are lower triangular), so adding it to the identity row is exact. Rows and
+    columns are picked by multiplying with one-hot f32 vectors rather than selecting with [C, C]
+    masks, whose per-element lane masks would fill the scalar registers. Taking a transposed puts
+    a's row i along the rows of the tile, where it multiplies the rows of the inverse: neither
+    reduction then needs a layout change.
     """
-    C = a.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    eye = jnp.where(row == col, 1.0, 0.0)
+    C = a_t.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
 
     def body(i, inv):
-        a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)  # [C] row i of a: a_i[j] = a[i, j]
-        e_i = jnp.sum(jnp.where(row == i, eye, 0.0), axis=0)  # [C]
-        inv_i = e_i - jnp.sum(a_i[:, None] * inv, axis=0)  # [C]
-        return jnp.where(row == i, inv_i[None, :], inv)
+        a_i = jnp.sum(a_t * (col == i).astype(jnp.float32), axis=1)  # [C]: a_i[j] = a[i, j]
+        d_i = -jnp.sum(a_i[:, None] * inv, axis=0)  # [C]
+        return inv + (row == i).astype(jnp.float32) * d_i[None, :]
 
-    return jax.lax.fori_loop(1, C, body, eye)
+    return jax.lax.fori_loop(1, C, body, (row == col).astype(jnp.float32))
 
 
-def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk):
+def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk,
+                        block_k):
     # q_ref, k_ref [Tp, Dk]; v_ref, o_ref [Tp, BV]; g_ref, beta_ref [Tp]; state refs [Dk, BV]
     f32 = jnp.float32
-    C = chunk
-    row = jax.lax.broadcasted_iota(jnp.int32, (C, C), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (C, C), 1)
-    pos = jax.lax.broadcasted_iota(jnp.int32, (C,), 0)
+    C, BK = chunk, block_k
+    slices = [pl.ds(s * BK, BK) for s in range(k_ref.shape[1] // BK)]
+    row = jax.lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, C), 1)
 
-    def body(c, S):  # S [Dk, BV]
+    def body(c, S):  # S: the state as Dk/BK row slices [BK, BV] (dot operands then span BK, not Dk)
         rows = pl.ds(c * C, C)
-        q = q_ref[rows, :].astype(f32)  # [C, Dk]
-        k = k_ref[rows, :].astype(f32)  # [C, Dk]
-        v = v_ref[rows, :].astype(f32)  # [C, BV]
+        key = lambda ks: k_ref[rows, ks].astype(f32)  # [C, BK]
         beta = beta_ref[rows]  # [C]
         gc = jnp.cumsum(g_ref[rows])  # [C] log-decay from the chunk start, inclusive
-        # Masked before exp so that exp(gc_i - gc_j) for j > i (which can be huge) never exists.
+        kk = sum(_dot(key(ks), key(ks), (1, 1)) for ks in slices)  # [C, C]
+        # a_t[j, i] = a[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for i > j, else 0 (k k^T is
+        # symmetric). Masked before exp, so exp(gc_i - gc_j) for j > i (which can be huge) never
+        # exists and exp(-inf) = 0 zeroes the upper part: no second select whose per-element lane
+        # masks the compiler would keep alive in scalar registers through the substitution loop.
+        a_t = beta[None, :] * kk * jnp.exp(jnp.where(col > row, gc[None, :] - gc[:, None], -jnp.inf))
+        inv = _unit_lower_inverse(a_t)  # [C, C]
+        v_new = _dot(inv, beta[:, None] * v_ref[rows, :].astype(f32))  # [C, BV], becomes U - W S
+        o = jnp.zeros_like(v_new)  # [C, BV]
+        qk = jnp.zeros_like(inv)  # [C, C]
+        for ks, S_s in zip(slices, S, strict=True):
+            q_s = q_ref[rows, ks].astype(f32)  # [C, BK]
+            w_s = _dot(inv, (beta * jnp.exp(gc))[:, None] * key(ks))  # [C, BK]
+            v_new = v_new - _dot(w_s, S_s)
+            o = o + _dot(q_s * jnp.exp(gc)[:, None], S_s)
+            qk = qk + _dot(q_s, key(ks), (1, 1))
         gamma = jnp.exp(jnp.where(row >= col, gc[:, None] - gc[None, :], -jnp.inf))  # [C, C]
-        a = jnp.where(row > col, beta[:, None] * _dot(k, k, (1, 1)) * gamma, 0.0)
-        inv = _unit_lower_inverse(a)
-        u = _dot(inv, beta[:, None] * v)  # [C, BV]
-        w = _dot(inv, (beta * jnp.exp(gc))[:, None] * k)  # [C, Dk]
-        v_new = u - _dot(w, S)  # [C, BV]
-        o = _dot(q * jnp.exp(gc)[:, None], S) + _dot(_dot(q, k, (1, 1)) * gamma, v_new)
-        o_ref[rows, :] = o
-        last = jnp.sum(jnp.where(pos == C - 1, gc, 0.0))  # gc[C-1] without value slicing
-        return jnp.exp(last) * S + _dot(k * jnp.exp(last - gc)[:, None], v_new, (0, 0))
+        o_ref[rows, :] = o + _dot(qk * gamma, v_new)
+        last = jnp.sum(jnp.where(col[0] == C - 1, gc, 0.0))  # gc[C-1] without value slicing
+        decay = jnp.exp(last - gc)[:, None]
+        return tuple(jnp.exp(last) * S_s + _dot(key(ks) * decay, v_new, (0, 0))
+                     for ks, S_s in zip(slices, S, strict=True))
 
-    num_chunks = v_ref.shape[0] // C
-    state_out_ref[...] = jax.lax.fori_loop(0, num_chunks, body, state_ref[...])
+    S = tuple(state_ref[ks, :] for ks in slices)
+    S = jax.lax.fori_loop(0, v_ref.shape[0] // C, body, S)
+    for ks, S_s in zip(slices, S, strict=True):
+        state_out_ref[ks, :] = S_s
 
 
 def _check_shapes(name, q, k, v, g, beta, state, n=None):
@@ -350,7 +379,7 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), inter
     Tp = T + pad
     key, value, gate, st = _recurrent_specs(Tp, Dk, BV, Hv // Hk)
     o, state = pl.pallas_call(
-        functools.partial(_gdn_chunked_kernel, chunk=C),
+        functools.partial(_gdn_chunked_kernel, chunk=C, block_k=min(blocks.block_k, Dk)),
         out_shape=(jax.ShapeDtypeStruct((B, Tp, Hv, Dv), jnp.float32),
                    jax.ShapeDtypeStruct((B, Hv, Dk, Dv), jnp.float32)),
         grid=(B, Hv, Dv // BV),

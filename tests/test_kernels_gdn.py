@@ -99,8 +99,8 @@ CHUNKED_CASES = [(1, 1, 1, F32), (17, 1, 2, BF16), (64, 2, 6, F32), (100, 1, 3, 
 
 @pytest.mark.parametrize("T, Hk, Hv, dtype", CHUNKED_CASES)
 def test_chunked_matches_reference(T, Hk, Hv, dtype):
-    args = make_inputs(2, T, Hk, Hv, 16, 32, dtype, seed=T)
-    blocks = gdn.ChunkedBlocks(block_v=16)
+    args = make_inputs(2, T, Hk, Hv, 32, 32, dtype, seed=T)
+    blocks = gdn.ChunkedBlocks(block_v=16, block_k=16)  # two state tiles, each in two Dk slices
     o, state = gdn.gdn_chunked_pallas(*args, blocks=blocks, interpret=True)
     ref_o, ref_state = chunked_reference(*args)
     assert_close(o, ref_o)
