@@ -98,17 +98,19 @@ def query_rows(T: int, group: int) -> int:
 def default_blocks(B: int, T: int, N: int, K: int, H: int, S: int) -> AttentionBlocks:
     """The shipped configuration for a static shape (the compile report checks these at real shapes).
 
-    From the gfx950 compile report (triton 3.6): a decode-sized tile (M * H <= 16 * 256) runs
-    block_k 64 on 4 warps (~150 VGPRs, no spills); the verify tile [128, 256] needs block_k 32 on
-    8 warps to keep its f32 accumulator in registers (256 VGPRs; block_k 64 spills VGPRs and SGPRs,
-    16 warps spill too). Split-K fills the GPU (~256 programs for 256 CUs) when B * K is small, but
+    From the gfx950 compile report (triton 3.8, the Triton jaxlib 0.10.2 bundles): the decode tile
+    (M * H <= 16 * 256) runs block_k 32 on 4 warps (~116 VGPRs; block_k 64 spills SGPRs), the drafter
+    tile [64, 128] block_k 32 on 8 warps (~136 VGPRs), and the verify tile [128, 256] needs block_k 16
+    on 8 warps to keep its f32 accumulator in registers (~206 VGPRs; block_k 32 spills VGPRs, 16
+    warps spill too). Split-K fills the GPU (~256 programs for 256 CUs) when B * K is small, but
     keeps >= 8 key blocks per split so the f32 partials stay small next to the K/V bytes.
     """
-    small = query_rows(T, N // K) * H <= 16 * 256
-    block_k = 64 if small else 32
+    tile = query_rows(T, N // K) * H
+    block_k = 32 if tile <= 64 * 128 else 16
     want = _next_pow2(max(1, -(-256 // (B * K))))
     k_splits = max(1, min(want, S // (8 * block_k), 32))
-    return AttentionBlocks(block_k=block_k, num_warps=4 if small else 8, num_stages=1, k_splits=k_splits)
+    return AttentionBlocks(block_k=block_k, num_warps=4 if tile <= 16 * 256 else 8, num_stages=1,
+                           k_splits=k_splits)
 
 
 def _attention_kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *out_refs,
