@@ -157,6 +157,14 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
 # Pallas kernels
 
 
+def _check_powers_of_two(blocks, *names):
+    """Tiles must divide the power-of-two head dims and load as power-of-two blocks."""
+    for name in names:
+        size = getattr(blocks, name)
+        if size < 1 or size & (size - 1):
+            raise ValueError(f"{type(blocks).__name__}.{name} = {size} must be a power of two")
+
+
 @dataclasses.dataclass(frozen=True)
 class RecurrentBlocks:
     """Tiling of the token-recurrent kernels (verify and replay): one program per [Dk, block_v] tile.
@@ -169,13 +177,16 @@ class RecurrentBlocks:
     num_warps: int = 4
     num_stages: int = 1
 
+    def __post_init__(self):
+        _check_powers_of_two(self, "block_v")
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkedBlocks:
     """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``,
     the Dk contractions split into block_k slices.
 
-    Chosen from the gfx950 compile figures at Dk = 128 (triton 3.6): (16, 32, 2 warps) is the
+    Chosen from the gfx950 compile report (kernels/report.py) at Dk = 128: (16, 32, 2 warps) is the
     largest tile without spills (~464 VGPR incl. AGPR, 36 KiB LDS); (32, 32, 4 warps) leaves one
     SGPR pair spilled, wider tiles or whole-Dk (block_k = 128) operands spill VGPRs.
     """
@@ -185,6 +196,9 @@ class ChunkedBlocks:
     chunk: int = 64
     num_warps: int = 2
     num_stages: int = 1
+
+    def __post_init__(self):
+        _check_powers_of_two(self, "block_v", "block_k", "chunk")
 
 
 def _dot(a, b, contract=(1, 0)):
@@ -325,15 +339,11 @@ def _recurrent_specs(T, Dk, BV, group):
     return key, value, gate, state
 
 
-def _block_v(blocks, Dv):
-    return min(blocks.block_v, Dv)
-
-
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def gdn_verify_pallas(q, k, v, g, beta, state, *, blocks=RecurrentBlocks(), interpret=False):
     """Pallas kernel for ``gdn_verify_reference`` (same arguments and result)."""
     B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_verify", q, k, v, g, beta, state)
-    BV = _block_v(blocks, Dv)
+    BV = min(blocks.block_v, Dv)
     key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
     return pl.pallas_call(
         _gdn_verify_kernel,
@@ -351,9 +361,10 @@ def gdn_verify_pallas(q, k, v, g, beta, state, *, blocks=RecurrentBlocks(), inte
 def gdn_replay_pallas(k, v, g, beta, state, n, *, blocks=RecurrentBlocks(), interpret=False):
     """Pallas kernel for ``gdn_replay_reference``; the new state aliases the old one."""
     B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_replay", None, k, v, g, beta, state, n)
-    BV = _block_v(blocks, Dv)
+    BV = min(blocks.block_v, Dv)
     key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
     count = pl.BlockSpec((None,), lambda b, h, j: (b,))
+    n = jnp.clip(n.astype(jnp.int32), 0, T)  # the kernel's trip count: never past the T tokens given
     return pl.pallas_call(
         _gdn_replay_kernel,
         out_shape=jax.ShapeDtypeStruct((B, Hv, Dk, Dv), jnp.float32),
@@ -364,14 +375,14 @@ def gdn_replay_pallas(k, v, g, beta, state, n, *, blocks=RecurrentBlocks(), inte
         compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="gdn_replay",
-    )(k, v, g.astype(jnp.float32), beta.astype(jnp.float32), n.astype(jnp.int32), state.astype(jnp.float32))
+    )(k, v, g.astype(jnp.float32), beta.astype(jnp.float32), n, state.astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), interpret=False):
     """Pallas kernel for ``gdn_chunked_reference`` (same arguments and results)."""
     B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_chunked", q, k, v, g, beta, state)
-    BV, C = _block_v(blocks, Dv), blocks.chunk
+    BV, C = min(blocks.block_v, Dv), blocks.chunk
     pad = -T % C
     if pad:  # zero tokens with g = beta = 0 leave the state unchanged; their outputs are dropped
         widths = lambda x: [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)

@@ -166,3 +166,10 @@ def test_bad_n_and_head_dim_raise():
     args = _abstract(D=24)
     with pytest.raises(ValueError, match="power of two"):
         jax.eval_shape(lambda a: gdn.gdn_verify(**a, impl="pallas"), args)
+
+
+def test_block_sizes_must_be_powers_of_two():
+    with pytest.raises(ValueError, match="block_v = 24"):
+        gdn.RecurrentBlocks(block_v=24)
+    with pytest.raises(ValueError, match="chunk = 48"):
+        gdn.ChunkedBlocks(chunk=48)
