@@ -209,7 +209,11 @@ def _check_blocks(blocks: AttentionBlocks):
 @functools.partial(jax.jit, static_argnames=("causal", "window", "scale", "blocks", "interpret"))
 def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, blocks=None,
                      interpret=False):
-    """The Pallas kernel behind ``attention``; same contract. ``blocks=None`` picks ``default_blocks``."""
+    """The Pallas kernel behind ``attention``; same contract. ``blocks=None`` picks ``default_blocks``.
+
+    One difference from the reference, only for degenerate rows: a query that sees no key at all
+    (kv_len 0, or a window that ends before the cache) gets 0, where the reference averages all of V.
+    """
     _check_shapes(q, k, v, q_start, kv_len)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
