@@ -1,0 +1,365 @@
+"""The DFlash drafter: target hidden states injected into its KV cache, one pass drafts a whole block.
+
+Sits after ``target.py`` (whose verify/prefill return the "taps": outputs of ``target_layer_ids``)
+and is used by ``proposers.py``. The drafter is a small Qwen3 decoder with no embedding or LM head
+of its own (it borrows the target's). ``write_context`` turns taps into K/V at the tokens' absolute
+positions in every layer's cache (written for all T tokens, committed by ``advance``, like the
+target's verify/commit); ``draft_block`` runs the block ``[anchor, mask x (Bk-1)]`` over
+``[context ; block]`` in one pass. The module tree mirrors the z-lab checkpoint keys, so
+``load_drafter`` is a plain key-for-key load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax import checkpoint, kernels
+from dflash_jax.config import ConfigError, TargetConfig, read_config_json
+from dflash_jax.layers import MLP, Linear, RMSNorm, rope, write_rows
+
+DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """z-lab's spread of n tapped layers over a target of L layers: from layer 1 to layer L - 3."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers). See reference/dflash.md §1, §5."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e7
+    layer_types: tuple[str, ...] = ()  # empty: all "full_attention"
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # overrides every layer's causality when set
+    target_hidden_size: int | None = None  # width of one tap; None: hidden_size
+
+    def __post_init__(self):
+        # Normalise first (frozen, so via object.__setattr__): tuples keep the config hashable.
+        fill = object.__setattr__
+        fill(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        fill(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers)
+        if self.target_hidden_size is None:
+            fill(self, "target_hidden_size", self.hidden_size)
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size", "block_size", "num_target_layers",
+                     "target_hidden_size"):
+            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+             f"num_key_value_heads={self.num_key_value_heads}")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
+        need(self.mask_token_id >= 0, f"mask_token_id={self.mask_token_id} must be >= 0")
+        need(len(self.target_layer_ids) > 0, "target_layer_ids is empty")
+        need(all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+             f"target_layer_ids {list(self.target_layer_ids)} must lie in 0..num_target_layers-1 "
+             f"(num_target_layers={self.num_target_layers})")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - set(DRAFTER_LAYER_TYPES))
+        need(not bad, f"unknown layer_types {bad}; expected {DRAFTER_LAYER_TYPES}")
+        for i, kind in enumerate(self.layer_types):
+            if kind != "sliding_attention":
+                continue
+            need(isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                 f"layer {i} is sliding_attention but sliding_window={self.sliding_window!r}")
+            # The attention kernel bounds the window only below (keys before the query); a non-causal
+            # window narrower than the block would also have to hide keys after the query.
+            need(self.layer_causal(i) or self.sliding_window >= self.block_size,
+                 f"layer {i}: a non-causal sliding_window={self.sliding_window} must be >= "
+                 f"block_size={self.block_size}")
+
+    def layer_causal(self, i: int) -> bool:
+        """Causal inside the block: z-lab's rule, sliding layers are causal unless is_causal says otherwise."""
+        return self.is_causal if self.is_causal is not None else self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        """Parses a z-lab ``config.json`` (model_type qwen3 with ``dflash_config``, ``block_size``)."""
+        try:
+            dflash = raw.get("dflash_config") or {}
+            if raw.get("attention_bias"):
+                raise ConfigError("attention_bias=true is not supported (no z-lab drafter uses it)")
+            rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+            rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rope_type != "default":
+                raise ConfigError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+            n_layers = int(raw["num_hidden_layers"])
+            ids = dflash.get("target_layer_ids")
+            if ids is None:
+                ids = default_target_layer_ids(int(raw["num_target_layers"]), n_layers)
+            # `is_causal: false` is meaningful (it makes sliding layers bidirectional): test for None.
+            is_causal = raw.get("is_causal")
+            if is_causal is None:
+                is_causal = dflash.get("causal")
+            return cls(
+                hidden_size=int(raw["hidden_size"]),
+                num_hidden_layers=n_layers,
+                num_attention_heads=int(raw["num_attention_heads"]),
+                num_key_value_heads=int(raw["num_key_value_heads"]),
+                head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
+                intermediate_size=int(raw["intermediate_size"]),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope_params.get("rope_theta", raw.get("rope_theta", 1e7))),
+                vocab_size=int(raw["vocab_size"]),
+                block_size=int(raw["block_size"]),
+                mask_token_id=int(dflash["mask_token_id"]),
+                target_layer_ids=tuple(ids),
+                num_target_layers=int(raw["num_target_layers"]),
+                layer_types=tuple(raw.get("layer_types") or ()),
+                sliding_window=raw.get("sliding_window"),
+                is_causal=None if is_causal is None else bool(is_causal),
+                target_hidden_size=raw.get("target_hidden_size"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DrafterConfig:
+        path = Path(path)
+        return cls.from_hf(read_config_json(path), source=str(path / "config.json" if path.is_dir() else path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The z-lab ``config.json`` dict; ``from_hf(to_hf())`` gives this config back."""
+        raw = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
+            "vocab_size": self.vocab_size, "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+        }
+        if self.is_causal is not None:
+            raw["is_causal"] = self.is_causal
+        if self.target_hidden_size != self.hidden_size:
+            raw["target_hidden_size"] = self.target_hidden_size
+        return raw
+
+
+class DrafterAttention(nnx.Module):
+    """Qwen3 attention (q/k norms, full-head NeoX RoPE, GQA) whose cache is fed by the target."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+
+    def kv(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K/V of inputs h [B, T, D] at positions [B, T]: each [B, T, K, H]."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        k = self.k_norm(self.k_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim))
+        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.head_dim)
+        return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+
+
+class DrafterLayer(nnx.Module):
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class DFlashDrafter(nnx.Module):
+    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head)."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    k: tuple[jax.Array, ...]  # per drafter layer [B, S, K, H]
+    v: tuple[jax.Array, ...]  # per drafter layer [B, S, K, H]
+    lengths: jax.Array  # [B] int32 committed context tokens per row
+
+
+def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> DraftCache:
+    """An empty cache. Capacity must cover the longest context plus one block (its rows are written)."""
+    shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return DraftCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def _positions(lengths: jax.Array, T: int) -> jax.Array:
+    return lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+
+
+def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) -> DraftCache:
+    """KV injection: writes context K/V for T tokens at positions lengths[b] + t in every layer.
+
+    Args:
+      taps: [B, T, n * Dt] target layer outputs at ``target_layer_ids``, concatenated.
+    Returns:
+      The cache with rows [lengths, lengths + T) written; lengths unchanged (``advance`` commits).
+    """
+    T = taps.shape[1]
+    c = drafter.hidden_norm(drafter.fc(taps.astype(drafter.fc.weight.dtype)))  # [B, T, D], shared by all layers
+    positions = _positions(cache.lengths, T)
+    ks, vs = [], []
+    for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
+        k, v = layer.self_attn.kv(c, positions)
+        ks.append(write_rows(kc, k.astype(kc.dtype), cache.lengths))
+        vs.append(write_rows(vc, v.astype(vc.dtype), cache.lengths))
+    return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+
+
+def advance(cache: DraftCache, n) -> DraftCache:
+    """Commits the first n[b] context tokens of the last ``write_context`` (n: [B] or scalar)."""
+    return dataclasses.replace(cache, lengths=cache.lengths + jnp.asarray(n, jnp.int32))
+
+
+def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tuple[jax.Array, DraftCache]:
+    """One denoising pass over the block at positions lengths[b] + j.
+
+    Args:
+      x: [B, Bk, D] target embeddings of ``[anchor, mask x (Bk-1)]``.
+    Returns:
+      (final-normed hidden states [B, Bk, D] for the target's LM head, the cache with the block's
+      K/V in rows [lengths, lengths + Bk): uncommitted, overwritten by the next ``write_context``).
+    """
+    cfg = drafter.cfg
+    B, Bk, _ = x.shape
+    N, H = cfg.num_attention_heads, cfg.head_dim
+    x = x.astype(drafter.fc.weight.dtype)
+    start = cache.lengths
+    positions = _positions(start, Bk)
+    ks, vs = [], []
+    for i, (layer, kc, vc) in enumerate(zip(drafter.layers, cache.k, cache.v, strict=True)):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(h).reshape(B, Bk, N, H))
+        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H)
+        k, v = attn.kv(h, positions)
+        # The block sits right behind the committed context, so one kernel call covers [context ; block].
+        kc = write_rows(kc, k.astype(kc.dtype), start)
+        vc = write_rows(vc, v.astype(vc.dtype), start)
+        o = kernels.attention(q, kc, vc, start, start + Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i))
+        x = x + attn.o_proj(o.reshape(B, Bk, N * H))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        ks.append(kc)
+        vs.append(vc)
+    return drafter.norm(x), DraftCache(k=tuple(ks), v=tuple(vs), lengths=start)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+    """A loaded drafter: config, the static graph and its parameters (a pytree)."""
+
+    cfg: DrafterConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+    def module(self) -> DFlashDrafter:
+        return nnx.merge(self.graphdef, self.params)
+
+
+def init_drafter(cfg: DrafterConfig, *, dtype=jnp.float32, seed: int = 0) -> Drafter:
+    """A drafter with freshly initialised weights (tests, training init)."""
+    graphdef, params = nnx.split(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+    return Drafter(cfg, graphdef, params)
+
+
+def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
+    """Raises ConfigError listing every way the drafter cannot run on this target."""
+    n, D = len(cfg.target_layer_ids), target_cfg.hidden_size
+    problems = []
+    if n * cfg.target_hidden_size != n * D:
+        problems.append(f"drafter fc takes {n} x target_hidden_size {cfg.target_hidden_size} = "
+                        f"{n * cfg.target_hidden_size} inputs, but {n} taps of the target (hidden_size {D}) "
+                        f"give {n * D}")
+    if cfg.hidden_size != D:
+        problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {D} (the drafter "
+                        f"consumes the target's embeddings and LM head)")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if cfg.mask_token_id >= target_cfg.vocab_size:
+        problems.append(f"drafter mask_token_id {cfg.mask_token_id} is not a row of the target's embedding "
+                        f"(target vocab_size {target_cfg.vocab_size})")
+    bad = [i for i in cfg.target_layer_ids if i >= target_cfg.num_hidden_layers]
+    if bad:
+        problems.append(f"drafter target_layer_ids {list(cfg.target_layer_ids)} include {bad}, outside the "
+                        f"target's layers 0..{target_cfg.num_hidden_layers - 1}")
+    if problems:
+        raise ConfigError("drafter does not fit the target:\n  " + "\n  ".join(problems))
+
+
+def load_drafter(path: str | Path, target, *, dtype=None, progress: bool = True) -> Drafter:
+    """Loads a z-lab drafter directory (config.json + model.safetensors) for ``target``.
+
+    Args:
+      path: the drafter directory.
+      target: a ``dflash_jax.target.Target``; its config is checked against the drafter's.
+      dtype: parameter dtype; None uses the target's.
+    """
+    path = Path(path)
+    cfg = DrafterConfig.from_pretrained(path)
+    check_fits(cfg, target.cfg)
+    dtype = target.dtype if dtype is None else dtype
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    flat = nnx.to_flat_state(abstract)
+    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.
+    ignore = [r"(model\.)?embed_tokens\.", r"lm_head\."]
+    arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
+    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
+    return Drafter(cfg, graphdef, params)
+
+
+def save_drafter(path: str | Path, drafter: Drafter) -> None:
+    """Writes ``path``/config.json (z-lab format) and ``path``/model.safetensors; ``load_drafter`` reads them."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(drafter.cfg.to_hf(), indent=2))
+    tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.params)}
+    checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
