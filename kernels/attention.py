@@ -28,11 +28,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 
 # Finite "minus infinity" for masked scores: exp(NEG - NEG) stays 1 instead of NaN, and masked
 # probabilities are zeroed explicitly, so fully masked blocks and empty splits add nothing.

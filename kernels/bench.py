@@ -28,6 +28,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from dflash_jax.kernels.common import KernelCase
 from dflash_jax.kernels.report import KERNEL_MODULES, collect_cases
 

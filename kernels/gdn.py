@@ -52,10 +52,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 from jax.experimental import pallas as pl
 from jax.scipy.linalg import solve_triangular
+
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

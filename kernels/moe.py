@@ -27,11 +27,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 
 _DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])

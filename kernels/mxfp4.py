@@ -33,11 +33,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from dflash_jax.kernels import dispatch
-from dflash_jax.kernels.common import KernelCase, triton_params
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from dflash_jax.kernels import dispatch
+from dflash_jax.kernels.common import KernelCase, triton_params
 
 BLOCK = 32  # elements per scale (OCP MX block size)
 _E2M1_EMAX = 2  # exponent of e2m1's largest normal, 6 = 1.5 * 2^2

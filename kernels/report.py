@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 import jax
+
 from dflash_jax.kernels.common import KernelCase
 
 KERNEL_MODULES = ("attention", "gdn", "moe", "mxfp4")

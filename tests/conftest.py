@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+
+# Tests compile many small programs; LLVM's expensive passes buy nothing at these sizes.
+os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

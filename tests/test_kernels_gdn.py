@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from dflash_jax.kernels import dispatch, gdn
 
 F32, BF16 = jnp.float32, jnp.bfloat16

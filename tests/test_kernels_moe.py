@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from dflash_jax.kernels import moe
 
 

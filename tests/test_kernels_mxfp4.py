@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from dflash_jax.kernels import mxfp4
 
 # e2m1 code -> value, written out from the OCP MX spec (bit 3 sign, bits 2-1 exponent, bit 0 mantissa).

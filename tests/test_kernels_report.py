@@ -4,6 +4,7 @@ StableHLO, and (with the ``triton`` extra installed) no register spills and LDS 
 import importlib.util
 
 import pytest
+
 from dflash_jax.kernels import report
 from dflash_jax.kernels.attention import report_cases
 

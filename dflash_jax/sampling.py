@@ -1,0 +1,114 @@
+"""Token sampling and the lossless acceptance rules of speculative decoding.
+
+Sits between the models (which produce logits) and the loop in ``generate.py``. The same
+temperature / top-k / top-p transform turns target logits into p and draft logits into q, so the
+acceptance rule sees the distributions the user asked for. Greedy (temperature 0) accepts the
+longest prefix of drafts that equal the target's argmax. Sampling accepts draft d with probability
+min(1, p(d) / q(d)) and, at the first rejection, draws from the residual max(p - q, 0); with greedy
+drafts q is one-hot, so d is accepted with probability p(d) and the residual is p without d. Either
+way every emitted token has exactly the target's distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DRAFT_MODES = ("greedy", "sampled")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How tokens are chosen. ``temperature == 0`` is greedy decoding; top_k 0 and top_p 1 are off.
+
+    ``draft_mode`` (sampling only): "greedy" drafts are the drafter's argmax (q one-hot);
+    "sampled" drafts are drawn from q with the same transform as the target.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    draft_mode: str = "greedy"
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """Sampling distribution [..., V] (f32) after temperature, top-k and top-p."""
+    x = logits.astype(jnp.float32) / cfg.temperature
+    if cfg.top_k:
+        kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if cfg.top_p < 1:
+        order = jnp.argsort(-x, axis=-1)
+        sorted_p = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        keep_sorted = jnp.cumsum(sorted_p, axis=-1) - sorted_p < cfg.top_p
+        keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)  # back to vocab order
+        x = jnp.where(keep, x, -jnp.inf)
+    return jax.nn.softmax(x, axis=-1)
+
+
+def _categorical(key, p):
+    return jax.random.categorical(key, jnp.log(p), axis=-1)
+
+
+def choose(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """One token per row from logits [B, V] with per-row keys [B] -> [B] int32."""
+    if cfg.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.vmap(_categorical)(keys, probs(logits, cfg)).astype(jnp.int32)
+
+
+def draft_tokens(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
+    """Drafts from draft logits [B, k, V]: (tokens [B, k], q [B, k, V] or None when q is one-hot)."""
+    if cfg.greedy or cfg.draft_mode == "greedy":
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    q = probs(logits, cfg)
+    tokens = jax.vmap(lambda key, qb: jax.vmap(_categorical)(jax.random.split(key, qb.shape[0]), qb))(keys, q)
+    return tokens.astype(jnp.int32), q
+
+
+def accept(drafts: jax.Array, draft_probs: jax.Array | None, target_logits: jax.Array, keys: jax.Array,
+           cfg: SamplingConfig):
+    """Decides how many drafts to keep and the token that follows them.
+
+    Args:
+      drafts: [B, k] proposed tokens; draft_probs: [B, k, V] their distribution q, or None (one-hot).
+      target_logits: [B, k + 1, V] target logits at [anchor, d_1 .. d_k].
+      keys: [B] per-row PRNG keys for this step.
+    Returns:
+      (a [B] accepted drafts in 0..k, bonus [B]: the token at position a).
+    """
+    B, k = drafts.shape
+    if cfg.greedy:
+        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+        a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1).astype(jnp.int32)
+        return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
+    p = probs(target_logits, cfg)  # [B, k+1, V]
+    q = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype) if draft_probs is None else draft_probs
+    u_keys, r_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(u_keys)  # [B, k]
+    p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    a = jnp.sum(jnp.cumprod(u * q_d < p_d, axis=1), axis=1).astype(jnp.int32)
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), a[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_a - q_a, 0.0)  # q_a is zero past the last draft: plain p there
+    mass = residual.sum(-1, keepdims=True)
+    residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_a)
+    return a, jax.vmap(_categorical)(r_keys, residual).astype(jnp.int32)
