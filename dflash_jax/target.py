@@ -148,6 +148,18 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
     return out, TargetCache(lengths=lengths, layers=tuple(layers))
 
 
+def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
+    """Full-sequence forward without a cache (training, scoring): logits [B, T, V] at every position.
+
+    Differentiable; uses the same layers as prefill (chunked GDN) on unpadded rows.
+    """
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    cache = init_cache(model.cfg, B, T, model.model.embed_tokens.weight.dtype)
+    hidden, tap_out, _ = _run(model, tokens, cache, jnp.full((B,), T, jnp.int32), taps)
+    return TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
 def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
     """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
