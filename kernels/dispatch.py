@@ -40,10 +40,16 @@ def resolve(impl: str | None = None) -> str:
 
 @contextlib.contextmanager
 def use(mode: str):
-    """Traces every kernel op inside the block with ``mode`` (e.g. ``"interpret"`` in tests)."""
+    """Traces every kernel op inside the block with ``mode`` (e.g. ``"interpret"`` in tests).
+
+    The mode is read at trace time, which jit's cache does not see, so entering and leaving the
+    block clears JAX's caches: jitted functions retrace with the mode in force.
+    """
     previous = getattr(_local, "mode", None)
     _local.mode = _check(mode, "use()")
+    jax.clear_caches()
     try:
         yield
     finally:
         _local.mode = previous
+        jax.clear_caches()

@@ -1,0 +1,75 @@
+"""The training corpus every machine has offline: the Python standard library's own source.
+
+Sits at the bottom of ``dflash_jax.train``: the tokenizer is trained on it, the target is pretrained
+on it, and the drafter/MTP data are the target's continuations of its snippets. Files are sorted and
+split into train / held-out by a hash of their relative path, so the split is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+# Test suites are large, repetitive and full of deliberately odd code; site-packages is not the stdlib.
+SKIP_PARTS = {"test", "tests", "site-packages", "idle_test", "__pycache__", "lib2to3"}
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _held_out(rel: str, fraction: float) -> bool:
+    digest = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little")
+    return digest / 2**64 < fraction
+
+
+def stdlib_files(split: str, *, held_out: float = 0.05, root: Path | None = None) -> list[Path]:
+    """Sorted ``.py`` files of the standard library in ``split`` ("train" or "heldout")."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    root = stdlib_root() if root is None else root
+    out = []
+    for f in sorted(root.rglob("*.py")):
+        rel = f.relative_to(root)
+        if SKIP_PARTS & set(rel.parts[:-1]) or rel.name.startswith("test_"):
+            continue
+        if _held_out(rel.as_posix(), held_out) == (split == "heldout"):
+            out.append(f)
+    return out
+
+
+def read_texts(files: list[Path]) -> Iterator[str]:
+    for f in files:
+        try:
+            yield f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):  # a few stdlib files are latin-1 test fixtures
+            continue
+
+
+def token_stream(tokenizer, files: list[Path], eos_id: int) -> np.ndarray:
+    """All files tokenised and joined into one int32 stream, each file followed by EOS."""
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(list(read_texts(files))):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return np.asarray(ids, np.int32)
+
+
+def windows(stream: np.ndarray, length: int, batch: int, *, seed: int) -> Iterator[np.ndarray]:
+    """Endless batches [batch, length] of windows at random offsets of the stream (seeded, reproducible)."""
+    if len(stream) <= length:
+        raise ValueError(f"token stream of {len(stream)} tokens is shorter than one window of {length}")
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(stream) - length, size=batch)
+        yield np.stack([stream[s:s + length] for s in starts])
+
+
+def eval_windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
+    """``count`` evenly spaced, non-random windows [count, length] (a fixed held-out set)."""
+    starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
+    return np.stack([stream[s:s + length] for s in starts])

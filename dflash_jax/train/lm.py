@@ -1,0 +1,102 @@
+"""Pretraining the small Qwen3.5-architecture target (hybrid Gated DeltaNet + gated attention, 3:1).
+
+Sits on ``loop.py`` and ``target.forward`` (the differentiable full-sequence forward used by
+inference too, so the trained weights are exactly what ``load_target`` runs). ``save_target`` writes
+the Hugging Face layout (``Qwen3_5ForCausalLM``, ``qwen3_5_text``) that both ``load_target`` and
+``transformers.AutoModelForCausalLM`` read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from dflash_jax import checkpoint
+from dflash_jax.config import TargetConfig
+from dflash_jax.target import Target, forward, init_target
+from dflash_jax.train import loop
+
+
+def small_config(*, vocab_size: int, eos_id: int, hidden: int = 256, layers: int = 4, intermediate: int = 768,
+                 heads: int = 4, kv_heads: int = 2, head_dim: int = 64, linear_key_heads: int = 2,
+                 linear_value_heads: int = 4, linear_head_dim: int = 64, mtp_layers: int = 1) -> TargetConfig:
+    """A small dense Qwen3.5 text config: every 4th layer is gated attention, the others Gated DeltaNet."""
+    return TargetConfig(
+        vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
+        layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        linear_num_key_heads=linear_key_heads, linear_num_value_heads=linear_value_heads,
+        linear_key_head_dim=linear_head_dim, linear_value_head_dim=linear_head_dim,
+        intermediate_size=intermediate, tie_word_embeddings=True, mtp_num_hidden_layers=mtp_layers,
+        eos_token_ids=(eos_id,), max_position_embeddings=4096)
+
+
+def hf_config(cfg: TargetConfig) -> dict:
+    """The flat ``Qwen3_5ForCausalLM`` config.json of a dense target (``TargetConfig.from_hf`` reads it back)."""
+    if cfg.is_moe:
+        raise ValueError("hf_config writes dense targets only")
+    return {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "layer_types": list(cfg.layer_types),
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "attention_bias": False, "attention_dropout": 0.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+                            "partial_rotary_factor": cfg.partial_rotary_factor},
+        "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
+        "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
+        "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "mtp_num_hidden_layers": cfg.mtp_num_hidden_layers,
+        "eos_token_id": cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids),
+        "pad_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": 0.02,
+        "torch_dtype": "float32", "use_cache": True,
+    }
+
+
+def save_target(path: str | Path, target: Target) -> None:
+    """Writes config.json and model.safetensors (f32, checkpoint keys = module paths; MTP head if present)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config(target.cfg), indent=2))
+    tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(target.params)}
+    checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
+
+
+def main_params(params: nnx.State) -> nnx.State:
+    """The target without its MTP head (pretraining trains the main model only)."""
+    return nnx.State({k: v for k, v in params.items() if k != "mtp"})
+
+
+def lm_loss_fn(graphdef):
+    """Next-token cross entropy over every position of [B, T] windows, via ``target.forward``."""
+    def loss_fn(params, frozen, tokens):
+        logits = forward(graphdef, params, tokens).logits[:, :-1].astype(jnp.float32)  # [B, T-1, V]
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return loss, {}
+    return loss_fn
+
+
+def train_target(cfg: TargetConfig, batches, tcfg: loop.TrainConfig, *, seed: int = 0,
+                 ckpt_dir: str | Path | None = None) -> tuple[Target, loop.Result]:
+    """Pretrains a fresh target (no MTP head) with next-token CE; returns it and the loop's result."""
+    target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed)
+    res = loop.train(lm_loss_fn(target.graphdef), target.params, None, batches, tcfg, ckpt_dir=ckpt_dir,
+                     desc="target")
+    return Target(cfg, target.graphdef, res.params), res
+
+
+def heldout_loss(target: Target, windows: np.ndarray, batch: int = 8) -> float:
+    """Mean next-token CE of the target over fixed windows [N, T]."""
+    chunks = [jnp.asarray(windows[i:i + batch]) for i in range(0, len(windows), batch)]
+    return loop.evaluate(lm_loss_fn(target.graphdef), target.params, None, chunks)
+
+
+def param_count(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))

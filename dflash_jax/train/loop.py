@@ -1,0 +1,126 @@
+"""The training loop shared by every stage: jitted step, optax schedule, progress bar, resumable checkpoints.
+
+Sits under ``lm.py``, ``drafter.py`` and ``mtp.py``: each gives a loss ``loss_fn(params, frozen, batch)
+-> (loss, metrics)`` over its trainable params (a pytree) and a batch iterator; ``frozen`` is a pytree
+the step reads but does not train (the frozen target), passed as an argument so it is not baked into
+the compiled program. With more than one device the batch is sharded over a 1-D ``data`` mesh and
+params are replicated; jit inserts the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tqdm.auto import tqdm
+
+from dflash_jax import checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int
+    lr: float
+    warmup: float = 0.04  # fraction of steps with a linear warmup (SpecForge's warmup ratio)
+    weight_decay: float = 0.0
+    clip: float = 1.0  # global gradient norm
+    ckpt_every: int = 0  # 0: no checkpoints
+    keep: int = 2  # checkpoints kept on disk
+    log_every: int = 10
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """AdamW on a warmup + cosine schedule (decaying to 10% of the peak), after global-norm clipping."""
+    warmup = max(1, int(cfg.warmup * cfg.steps))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(cfg.steps, warmup + 1), cfg.lr * 0.1)
+    return optax.chain(optax.clip_by_global_norm(cfg.clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+
+
+def _ckpt_steps(ckpt_dir: Path) -> list[int]:
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in ckpt_dir.iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name)))
+
+
+def _shardings(batch_example):
+    """(params sharding, batch sharding) for a 1-D data mesh, or (None, None) on one device."""
+    n = jax.device_count()
+    if n == 1:
+        return None, None
+    if batch_example.shape[0] % n:
+        raise ValueError(f"batch {batch_example.shape[0]} is not divisible by {n} devices")
+    mesh = jax.make_mesh((n,), ("data",))
+    return NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+
+
+@dataclasses.dataclass
+class Result:
+    params: object
+    step: int
+    history: list[dict]  # one entry per log interval: step, loss and the loss function's metrics
+    seconds: float
+
+
+def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig, *,
+          ckpt_dir: str | Path | None = None, desc: str = "train") -> Result:
+    """Runs ``cfg.steps`` optimizer steps, resuming from the latest checkpoint in ``ckpt_dir`` if any.
+
+    ``batches`` yields numpy pytrees whose leaves have the batch on axis 0; on resume the first
+    ``step`` batches are skipped, so a deterministic iterator continues exactly where it stopped.
+    """
+    opt = make_optimizer(cfg)
+    state = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
+    ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
+    done = _ckpt_steps(ckpt_dir) if ckpt_dir is not None else []
+    if done:
+        state = checkpoint.restore_params(ckpt_dir / f"step_{done[-1]}", state)
+    start = int(state["step"])
+    for _ in range(start):
+        next(batches)
+
+    @jax.jit
+    def step_fn(state, frozen, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], frozen, batch)
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state, "step": state["step"] + 1}
+        return new, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+
+    history, t0, first = [], time.time(), True
+    bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
+    for step in bar:
+        batch = next(batches)
+        if first:
+            replicated, sharded = _shardings(jax.tree.leaves(batch)[0])
+            if replicated is not None:
+                state, frozen = jax.device_put((state, frozen), replicated)
+            first = False
+        if sharded is not None:
+            batch = jax.device_put(batch, sharded)
+        state, metrics = step_fn(state, frozen, batch)
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
+            history.append(row)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+        if ckpt_dir is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
+            checkpoint.save_params(ckpt_dir / f"step_{step + 1}", state)
+            for old in _ckpt_steps(ckpt_dir)[:-cfg.keep]:
+                shutil.rmtree(ckpt_dir / f"step_{old}")
+    bar.close()
+    return Result(params=state["params"], step=int(state["step"]), history=history, seconds=time.time() - t0)
+
+
+def evaluate(loss_fn: Callable, params, frozen, batches: list) -> float:
+    """Mean loss over a fixed list of batches (no gradients)."""
+    fn = jax.jit(lambda p, f, b: loss_fn(p, f, b)[0])
+    return float(np.mean([float(fn(params, frozen, b)) for b in batches]))

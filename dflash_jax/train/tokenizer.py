@@ -1,0 +1,48 @@
+"""A byte-level BPE trained on the corpus, saved as a Hugging Face tokenizer directory.
+
+Sits just above ``corpus.py``. The vocabulary holds two special tokens: ``<|endoftext|>`` (EOS, also
+the pad token) and ``<|mask|>``, the DFlash mask id: a real embedding row of the target, which the
+drafter's blocks are filled with.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from dflash_jax.train import corpus
+
+EOS, MASK = "<|endoftext|>", "<|mask|>"
+SPECIAL_TOKENS = (EOS, MASK)
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = 4096) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokeniser, no prefix space); specials get ids 0 and 1."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus.read_texts(files), trainer=trainer)
+    return tok
+
+
+def save_hf(tok: Tokenizer, path: str | Path) -> None:
+    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (PreTrainedTokenizerFast)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
+                                       "single_word": False, "special": True} for t in SPECIAL_TOKENS}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
+              "additional_special_tokens": [MASK], "added_tokens_decoder": added,
+              "model_max_length": 262144, "clean_up_tokenization_spaces": False}
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    special = {"eos_token": EOS, "pad_token": EOS, "additional_special_tokens": [MASK]}
+    (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+
+
+def load(path: str | Path) -> Tokenizer:
+    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
