@@ -231,12 +231,21 @@ def bucket_for(length: int, minimum: int = 16) -> int:
 
 
 def _setup(target: Target, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids):
-    """(proposer, params, spec) for a target and an optional ``Drafter``; block 1 drops the drafter."""
-    block = (drafter.cfg.block_size if drafter is not None else 1) if block_size is None else block_size
+    """(proposer, params, spec) for a target and an optional drafter; block size 1 drops the drafter.
+
+    ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g. the MTP head).
+    """
+    if drafter is None:
+        proposer, pparams = NoProposer(), ()
+    elif isinstance(drafter, tuple):
+        proposer, pparams = drafter
+    else:
+        proposer, pparams = DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
+    block = (proposer.max_block if drafter is not None else 1) if block_size is None else block_size
     spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
-    if block == 1 or drafter is None:
+    if block == 1:
         return NoProposer(), (target.params, ()), spec
-    return DFlashProposer(drafter.cfg, drafter.graphdef), (target.params, drafter.params), spec
+    return proposer, (target.params, pparams), spec
 
 
 @functools.lru_cache(maxsize=64)
