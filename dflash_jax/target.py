@@ -38,11 +38,24 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def mix_then_mlp(self, x, mixer):
-        """Pre-norm residual block around ``mixer`` (attention or GDN), which returns (out, extra)."""
-        h, extra = mixer(self.input_layernorm(x))
+    def _mlp_residual(self, x, h):
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), extra
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend(self, x, cache: AttentionCache, start):
+        """Full-attention layer over new tokens at positions start[b] + t; writes their K/V."""
+        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start)
+        return self._mlp_residual(x, h), AttentionCache(k, v)
+
+    def gdn_prefill(self, x, lengths):
+        """GDN layer over a right-padded prompt from an empty state."""
+        h, conv, state = self.linear_attn.prefill(self.input_layernorm(x), lengths)
+        return self._mlp_residual(x, h), GDNCache(conv=conv, state=state)
+
+    def gdn_verify(self, x, cache: GDNCache):
+        """GDN layer over speculative tokens: the cache is read, the update inputs are kept pending."""
+        h, pending = self.linear_attn.verify(self.input_layernorm(x), cache.conv, cache.state)
+        return self._mlp_residual(x, h), GDNCache(conv=cache.conv, state=cache.state, pending=GDNPending(*pending))
 
 
 class TextModel(nnx.Module):
@@ -94,33 +107,18 @@ def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
     for i, (layer, c) in enumerate(zip(model.model.layers, cache.layers, strict=True)):
         with jax.named_scope(f"layer{i}"):
             if isinstance(c, AttentionCache):
-                x, kv = layer.mix_then_mlp(x, lambda h, c=c, layer=layer: _pack_attn(
-                    layer.self_attn(h, c.k, c.v, start)))
-                new_layers.append(AttentionCache(*kv))
+                x, c = layer.attend(x, c, start)
             elif lengths is not None:
-                x, (conv, state) = layer.mix_then_mlp(
-                    x, lambda h, layer=layer: _pack_gdn(layer.linear_attn.prefill(h, lengths)))
-                new_layers.append(GDNCache(conv=conv, state=state))
+                x, c = layer.gdn_prefill(x, lengths)
             else:
-                x, pending = layer.mix_then_mlp(x, lambda h, c=c, layer=layer: layer.linear_attn.verify(
-                    h, c.conv, c.state))
-                new_layers.append(GDNCache(conv=c.conv, state=c.state, pending=GDNPending(*pending)))
+                x, c = layer.gdn_verify(x, c)
+        new_layers.append(c)
         if i in taps:
             tapped[i] = x
     hidden = model.model.norm(x)
     tap_out = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros(
         x.shape[:2] + (0,), x.dtype)
     return hidden, tap_out, new_layers
-
-
-def _pack_attn(out):
-    o, k, v = out
-    return o, (k, v)
-
-
-def _pack_gdn(out):
-    o, conv, state = out
-    return o, (conv, state)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "taps"))
