@@ -69,11 +69,6 @@ def save_target(path: str | Path, target: Target) -> None:
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
 
 
-def main_params(params: nnx.State) -> nnx.State:
-    """The target without its MTP head (pretraining trains the main model only)."""
-    return nnx.State({k: v for k, v in params.items() if k != "mtp"})
-
-
 def lm_loss_fn(graphdef):
     """Next-token cross entropy over every position of [B, T] windows, via ``target.forward``."""
     def loss_fn(params, frozen, tokens):

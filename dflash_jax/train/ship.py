@@ -1,0 +1,182 @@
+"""Reproduces the models shipped in ``dflash_jax/assets`` from scratch, with fixed seeds.
+
+``python -m dflash_jax.train.ship [--work DIR] [--out dflash_jax/assets] [--tiny]`` runs the stages
+tokenizer -> target -> data -> drafter -> mtp -> export -> eval. Each stage leaves its result in the
+work directory and is skipped when that result exists (the training stages also resume from their
+orbax checkpoints), so an interrupted run continues where it stopped. ``--tiny`` runs the whole
+pipeline at toy sizes in a couple of minutes (a smoke test of the pipeline, not a model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.train import corpus, loop
+from dflash_jax.train import tokenizer as tk
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    vocab: int = 4096
+    layers: int = 4
+    hidden: int = 256
+    intermediate: int = 512
+    seq: int = 256
+    target_batch: int = 8
+    target_steps: int = 120
+    target_lr: float = 3e-3
+    prompt_len: int = 64  # corpus snippet the target continues
+    data_seqs: int = 256  # target-regenerated sequences of seq tokens
+    gen_batch: int = 128
+    drafter_layers: int = 2
+    drafter_taps: tuple[int, ...] = (0, 1, 2)
+    anchors: int = 16
+    drafter_batch: int = 8
+    drafter_steps: int = 240
+    drafter_lr: float = 2e-3
+    mtp_batch: int = 8
+    mtp_steps: int = 120
+    mtp_lr: float = 2e-3
+    eval_prompts: int = 16  # HumanEval prompts in the acceptance table
+
+
+TINY = Sizes(vocab=512, layers=4, hidden=64, intermediate=128, seq=64, target_batch=4, target_steps=20,
+             prompt_len=16, data_seqs=16, gen_batch=16, drafter_layers=1, anchors=2, drafter_batch=4,
+             drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2)
+
+
+def _stamp(log: dict, name: str, t0: float, **values) -> None:
+    log[name] = {"seconds": round(time.time() - t0, 1), **values}
+    print(f"[ship] {name}: {log[name]}", flush=True)
+
+
+def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    log_file = work / "ship_log.json"
+    log = json.loads(log_file.read_text()) if log_file.exists() else {"sizes": dataclasses.asdict(sizes)}
+    tok_dir = work / "tokenizer"
+
+    def save_log():
+        log_file.write_text(json.dumps(log, indent=2))
+
+    if "tokenizer" in stages and not (tok_dir / "tokenizer.json").exists():
+        t0 = time.time()
+        tok = tk.train_tokenizer(corpus.stdlib_files("train"), sizes.vocab)
+        tk.save_hf(tok, tok_dir)
+        _stamp(log, "tokenizer", t0, vocab=tok.get_vocab_size())
+        save_log()
+    tok = tk.load(tok_dir)
+    eos, mask = tok.token_to_id(tk.EOS), tok.token_to_id(tk.MASK)
+    train_stream = corpus.token_stream(tok, corpus.stdlib_files("train"), eos)
+    held_stream = corpus.token_stream(tok, corpus.stdlib_files("heldout"), eos)
+
+    from dflash_jax.target import load_target
+    from dflash_jax.train import lm
+
+    target_dir = work / "target"
+    if "target" in stages and not (target_dir / "model.safetensors").exists():
+        t0 = time.time()
+        cfg = lm.small_config(vocab_size=tok.get_vocab_size(), eos_id=eos, layers=sizes.layers, hidden=sizes.hidden,
+                              intermediate=sizes.intermediate)
+        tcfg = loop.TrainConfig(steps=sizes.target_steps, lr=sizes.target_lr, weight_decay=0.01, ckpt_every=30)
+        batches = corpus.windows(train_stream, sizes.seq, sizes.target_batch, seed=1)
+        target, res = lm.train_target(cfg, batches, tcfg, seed=0, ckpt_dir=work / "ckpt_target")
+        held = lm.heldout_loss(target, corpus.eval_windows(held_stream, sizes.seq, 32))
+        train_eval = lm.heldout_loss(target, corpus.eval_windows(train_stream, sizes.seq, 32))
+        lm.save_target(target_dir, target)
+        _stamp(log, "target", t0, params=lm.param_count(target.params), steps=res.step,
+               tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(res.seconds, 1),
+               final_train_loss=res.history[-1]["loss"], train_windows_loss=train_eval, heldout_loss=held)
+        save_log()
+    if stages == ["tokenizer", "target"]:
+        return log
+    target = load_target(target_dir, jnp.float32, progress=False)
+
+    from dflash_jax.train import drafter as dtrain
+
+    data_file = work / "data.npz"
+    if "data" in stages and not data_file.exists():
+        t0 = time.time()
+        prompts = corpus.eval_windows(train_stream, sizes.prompt_len, sizes.data_seqs)
+        seqs = dtrain.regenerate(target, prompts, sizes.seq - sizes.prompt_len, batch=sizes.gen_batch)
+        np.savez(data_file, tokens=seqs, prompt_len=sizes.prompt_len)
+        _stamp(log, "data", t0, sequences=len(seqs), tokens=int(seqs.size))
+        save_log()
+    data = np.load(data_file)
+    seqs, prompt_len = data["tokens"], int(data["prompt_len"])
+
+    drafter_dir = work / "drafter"
+    if "drafter" in stages and not (drafter_dir / "model.safetensors").exists():
+        t0 = time.time()
+        dcfg = dtrain.drafter_config(target.cfg, num_layers=sizes.drafter_layers, taps=sizes.drafter_taps,
+                                     mask_token_id=mask)
+        tcfg = loop.TrainConfig(steps=sizes.drafter_steps, lr=sizes.drafter_lr, ckpt_every=40)
+        drafter, res = dtrain.train_drafter(target, dcfg, seqs, prompt_len, tcfg, anchors=sizes.anchors,
+                                            batch=sizes.drafter_batch, seed=0, ckpt_dir=work / "ckpt_drafter")
+        from dflash_jax.drafter import save_drafter
+        save_drafter(drafter_dir, drafter)
+        _stamp(log, "drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
+               train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"],
+               final_acc=res.history[-1].get("acc"))
+        save_log()
+
+    final_dir = work / "target_mtp"
+    if "mtp" in stages and not (final_dir / "model.safetensors").exists():
+        from dflash_jax.train import mtp as mtrain
+        t0 = time.time()
+        tcfg = loop.TrainConfig(steps=sizes.mtp_steps, lr=sizes.mtp_lr, ckpt_every=40)
+        with_mtp, res = mtrain.train_mtp(target, seqs, prompt_len, tcfg, batch=sizes.mtp_batch, seed=0,
+                                         ckpt_dir=work / "ckpt_mtp")
+        lm.save_target(final_dir, with_mtp)
+        _stamp(log, "mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
+               train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"])
+        save_log()
+
+    if "export" in stages:
+        for name, src in (("target", final_dir), ("drafter", drafter_dir)):
+            shutil.rmtree(out / name, ignore_errors=True)
+            shutil.copytree(src, out / name)
+        for f in tok_dir.iterdir():
+            shutil.copy(f, out / "target" / f.name)
+        print(f"[ship] exported to {out}", flush=True)
+
+    if "eval" in stages:
+        from dflash_jax.train import evaluate
+        t0 = time.time()
+        table = evaluate.acceptance_table(out, n_prompts=sizes.eval_prompts)
+        _stamp(log, "eval", t0, table=table)
+        save_log()
+    return log
+
+
+STAGES = ("tokenizer", "target", "data", "drafter", "mtp", "export", "eval")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash_jax.train.ship", description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path("ship_work"), help="stage outputs and checkpoints")
+    p.add_argument("--out", type=Path, default=ASSETS, help="where the shipped models go")
+    p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    args = p.parse_args(argv)
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(STAGES))
+    if unknown:
+        p.error(f"unknown stages {unknown}; expected {list(STAGES)}")
+    t0 = time.time()
+    log = run(args.work, args.out, TINY if args.tiny else Sizes(), stages)
+    print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
