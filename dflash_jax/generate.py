@@ -138,7 +138,7 @@ class _Loop:
                              taps=self.proposer.taps)
         first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
         target = nnx.merge(self.graphdef, tparams)
-        state = self.proposer.init(target, pparams, out, prompt_lens, capacity)
+        state = self.proposer.init(target, pparams, out, prompt_lens, capacity, prompts)
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
         finish = jnp.where(jnp.isin(first, self.stop_ids), STOPPED, jnp.where(max_new == 1, LENGTH, RUNNING))
         return LoopState(

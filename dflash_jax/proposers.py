@@ -1,9 +1,10 @@
 """Draft proposers behind one interface, so the loop in ``generate.py`` does not care who drafts.
 
 A proposer is a frozen, hashable description (static under jit) with three pure methods:
-``init`` after the target's prefill, ``propose`` of k drafts after the anchor, and ``commit`` of
-the n tokens the target kept. Its parameters travel separately as a pytree. ``taps`` names the
-target layers whose outputs it consumes (the target returns them from prefill and verify).
+``init`` after the target's prefill (it also gets the prompt tokens [B, P]), ``propose`` of k
+drafts after the anchor, and ``commit`` of the n tokens the target kept. Its parameters travel
+separately as a pytree. ``taps`` names the target layers whose outputs it consumes (the target
+returns them from prefill and verify).
 
 - ``NoProposer``: no drafts; the loop becomes plain autoregressive decoding (the baseline).
 - ``DFlashProposer``: the block-diffusion drafter, one pass per block, fed by KV injection.
@@ -32,7 +33,7 @@ class NoProposer:
     taps: tuple[int, ...] = ()
     max_block: int = 1
 
-    def init(self, target, params, prefill: TargetOutput, prompt_lens, capacity):
+    def init(self, target, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
         return ()
 
     def propose(self, target, params, state, anchor, k: int, keys, sampling: SamplingConfig):
@@ -57,7 +58,7 @@ class DFlashProposer:
     def max_block(self) -> int:
         return self.cfg.block_size
 
-    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity):
+    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
         model = nnx.merge(self.graphdef, params)
         cache = dr.init_draft_cache(self.cfg, prompt_lens.shape[0], capacity, prefill.taps.dtype)
         return dr.advance(dr.write_context(model, cache, prefill.taps), prompt_lens)
@@ -94,7 +95,7 @@ class OracleProposer:
     taps: tuple[int, ...] = ()
     max_block: int = 1 << 30
 
-    def init(self, target, params: OracleParams, prefill, prompt_lens, capacity):
+    def init(self, target, params: OracleParams, prefill, prompt_lens, capacity, prompts):
         B = prompt_lens.shape[0]
         return jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)  # anchor index, step
 
