@@ -17,6 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.sampling import SamplingConfig, draft_tokens
 from dflash_jax.target import Qwen35ForCausalLM, TargetOutput
@@ -40,14 +41,8 @@ def mtp_step(target: Qwen35ForCausalLM, tokens, hidden, k_cache, v_cache, start)
     e = mtp.pre_fc_norm_embedding(target.model.embed_tokens(tokens))
     h = mtp.pre_fc_norm_hidden(hidden.astype(e.dtype))
     x = mtp.fc(jnp.concatenate([e, h], axis=-1))  # [B, T, D]; the order [embedding, hidden] is the checkpoint's
-    layer = mtp.layers[0]
-
-    def attend(y):
-        o, k, v = layer.self_attn(y, k_cache, v_cache, start)
-        return o, (k, v)
-
-    x, (k_cache, v_cache) = layer.mix_then_mlp(x, attend)
-    return mtp.norm(x), k_cache, v_cache
+    x, kv = mtp.layers[0].attend(x, AttentionCache(k_cache, v_cache), start)
+    return mtp.norm(x), kv.k, kv.v
 
 
 @jax.tree_util.register_dataclass
