@@ -63,7 +63,8 @@ def _stamp(log: dict, name: str, t0: float, **values) -> None:
 def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     log_file = work / "ship_log.json"
-    log = json.loads(log_file.read_text()) if log_file.exists() else {"sizes": dataclasses.asdict(sizes)}
+    log = json.loads(log_file.read_text()) if log_file.exists() else {}
+    log["sizes"] = dataclasses.asdict(sizes)
     tok_dir = work / "tokenizer"
 
     def save_log():
