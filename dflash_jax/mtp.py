@@ -87,7 +87,7 @@ class MTPProposer:
     def max_block(self) -> int:
         return self.num_steps + 1
 
-    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity, prompts=None):
+    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
         """Writes the prompt's entries 0 .. P-2 and parks h_{P-1}, which waits for the first token.
 
         Args:
@@ -96,8 +96,6 @@ class MTPProposer:
         """
         if target.mtp is None:
             raise ValueError("the target has no MTP head: load it with load_target(path, mtp=True)")
-        if prompts is None:
-            raise ValueError("MTPProposer.init needs the prompt tokens (prompts=[B, P])")
         cfg, B = self.cfg, prompt_lens.shape[0]
         kv = jnp.zeros((B, capacity, cfg.num_key_value_heads, cfg.head_dim), prefill.hidden.dtype)
         # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.

@@ -31,14 +31,6 @@ from dflash_jax.target import Qwen35ForCausalLM, Target, forward, load_target
 PROMPT_LENS, BUCKET, MAX_NEW = (5, 12, 1, 9), 16, 24
 
 
-@dataclasses.dataclass(frozen=True)
-class _PromptsInParams(MTPProposer):
-    """The loop does not hand the prompts to ``proposer.init`` yet, so here they travel as proposer params."""
-
-    def init(self, target, params, prefill, prompt_lens, capacity, prompts=None):
-        return super().init(target, (), prefill, prompt_lens, capacity, prompts=params)
-
-
 def _with_mtp_head(src, dst, per_expert: bool) -> dict[str, np.ndarray]:
     """Copies an HF checkpoint and adds random ``mtp.*`` tensors (MoE experts one tensor per expert, as
     in the official checkpoints); returns them in the loader's canonical (fused) layout."""
@@ -203,9 +195,8 @@ def plain(dense, prompts):
 def block4(dense, prompts):
     """Block 4 (three MTP drafts) through the loop's own jitted init and step, keeping the states."""
     tokens, lengths = prompts
-    loop = gen._Loop(dense, _PromptsInParams(dense.cfg, 3), SpecConfig(block_size=4, max_new_tokens=MAX_NEW,
-                                                                    stop_ids=()))
-    params, step = (dense.params, jnp.asarray(tokens)), jax.jit(loop.step)
+    loop = gen._Loop(dense, MTPProposer(dense.cfg, 3), SpecConfig(block_size=4, max_new_tokens=MAX_NEW, stop_ids=()))
+    params, step = (dense.params, ()), jax.jit(loop.step)
     first = state = jax.jit(loop.init)(params, tokens, lengths, 0)
     while (np.asarray(state.finish) == gen.RUNNING).any():
         state = step(params, state)
@@ -218,7 +209,7 @@ def _run(target, proposer, pparams, block, tokens, lengths):
 
 
 def test_greedy_block2_lossless(dense, prompts, plain):
-    out = _run(dense, _PromptsInParams(dense.cfg, 1), prompts[0], 2, *prompts)
+    out = _run(dense, MTPProposer(dense.cfg, 1), (), 2, *prompts)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     assert (np.asarray(out.accepted).sum(0) > 0).all(), np.asarray(out.accepted).sum(0)  # both 0 and 1
 
@@ -274,8 +265,6 @@ def test_bad_configurations_are_clear_errors(dense, checkpoints):
     no_head = load_target(checkpoints["dense"][0], dtype=jnp.float32, mtp=False, progress=False)
     with pytest.raises(ValueError, match="no MTP head"):
         MTPProposer(dense.cfg, 3).init(no_head.module(), (), None, jnp.ones(1, jnp.int32), 8, jnp.ones((1, 1)))
-    with pytest.raises(ValueError, match="needs the prompt tokens"):
-        MTPProposer(dense.cfg, 3).init(dense.module(), (), None, jnp.ones(1, jnp.int32), 8)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
