@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -214,17 +216,25 @@ def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed
     return Target(cfg, graphdef, params)
 
 
+CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax directory
+
+
 def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None,
                 progress: bool = True) -> Target:
     """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
 
     Args:
-      path: directory with config.json and model.safetensors (or sharded + index.json).
+      path: directory with config.json and model.safetensors (or sharded + index.json), or a
+        converted copy written by ``save_converted`` (restored as saved; ``dtype``/``mtp`` ignored).
       dtype: parameter dtype (the GDN decay parameters stay f32).
       mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
+    if (path / CONVERTED).is_dir():
+        meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
+        graphdef, abstract = nnx.split(_abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"]))
+        return Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
     has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
     graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, use_mtp))
@@ -238,3 +248,16 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
     return Target(cfg, graphdef, params)
+
+
+def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
+    """Writes a fast converted copy of a loaded target: its config.json (and tokenizer files) from
+    ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``."""
+    source, path = Path(source), Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            shutil.copy(f, path / f.name)
+    checkpoint.save_params(path / CONVERTED / "params", target.params)
+    meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None}
+    (path / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))

@@ -16,7 +16,7 @@ from hf_oracle import hf_hidden_states, hf_logits
 
 from dflash_jax.cache import AttentionCache, GDNCache
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.target import Target, load_target
+from dflash_jax.target import Target, load_target, save_converted
 
 LENGTHS = (1, 17, 64, 100)  # 64 is the GDN chunk; 100 crosses it
 BUCKET, CAPACITY, TAPS = 100, 128, (2, 0)
@@ -165,3 +165,14 @@ def test_config_errors(tmp_path):
         TargetConfig.from_hf({"architectures": ["Qwen3_5ForCausalLM"], "num_hidden_layers": 1})
     with pytest.raises(ConfigError, match="no config.json"):
         TargetConfig.from_pretrained(tmp_path)
+
+
+def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path):
+    _, path = hf_moe
+    tg = load_target(path, dtype=jnp.bfloat16, progress=False)
+    save_converted(tg, path, tmp_path / "converted")
+    again = load_target(tmp_path / "converted")
+    assert again.cfg == tg.cfg and again.dtype == jnp.bfloat16
+    for a, b in zip(jax.tree.leaves(tg.params), jax.tree.leaves(again.params), strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
