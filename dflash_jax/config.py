@@ -8,6 +8,7 @@ attention) in either checkpoint layout: the official multimodal one (``text_conf
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -26,16 +27,30 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a model this library runs."""
 
 
-def read_config_json(path: str | Path) -> dict[str, Any]:
-    """Reads ``config.json`` from a checkpoint directory (or the file itself) with clear errors."""
+def read_config_json(path: str | Path) -> tuple[dict[str, Any], str]:
+    """Reads ``config.json`` from a checkpoint directory (or the file itself) with clear errors.
+
+    Returns the parsed dict and the file's name, for error messages.
+    """
     path = Path(path)
     file = path / "config.json" if path.is_dir() else path
     if not file.exists():
         raise ConfigError(f"{file}: no config.json (is {path} a Hugging Face checkpoint directory?)")
     try:
-        return json.loads(file.read_text())
+        return json.loads(file.read_text()), str(file)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
+
+
+@contextlib.contextmanager
+def parsing(source: str):
+    """Turns a missing key or a failed validation while parsing ``source`` into a ConfigError naming it."""
+    try:
+        yield
+    except KeyError as e:
+        raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +151,7 @@ class TargetConfig:
         model_type = text.get("model_type", "")
         if model_type and model_type not in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"):
             raise ConfigError(f"{source}: model_type {model_type!r} is not a Qwen3.5 text model")
-        try:
+        with parsing(source):
             n_layers = int(text["num_hidden_layers"])
             layer_types = text.get("layer_types") or [
                 "linear_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) else "full_attention"
@@ -173,12 +188,7 @@ class TargetConfig:
                 eos_token_ids=eos,
                 max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
             )
-        except KeyError as e:
-            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> TargetConfig:
-        path = Path(path)
-        return cls.from_hf(read_config_json(path), source=str(path / "config.json" if path.is_dir() else path))
+        return cls.from_hf(*read_config_json(path))

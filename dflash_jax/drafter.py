@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import checkpoint, kernels
-from dflash_jax.config import ConfigError, TargetConfig, read_config_json
+from dflash_jax.config import ConfigError, TargetConfig, parsing, read_config_json
 from dflash_jax.layers import MLP, Linear, RMSNorm, rope, write_rows
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -107,7 +107,7 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         """Parses a z-lab ``config.json`` (model_type qwen3 with ``dflash_config``, ``block_size``)."""
-        try:
+        with parsing(source):
             dflash = raw.get("dflash_config") or {}
             if raw.get("attention_bias"):
                 raise ConfigError("attention_bias=true is not supported (no z-lab drafter uses it)")
@@ -142,15 +142,10 @@ class DrafterConfig:
                 is_causal=None if is_causal is None else bool(is_causal),
                 target_hidden_size=raw.get("target_hidden_size"),
             )
-        except KeyError as e:
-            raise ConfigError(f"{source}: missing required field {e.args[0]!r}") from None
-        except ConfigError as e:
-            raise ConfigError(f"{source}: {e}") from None
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DrafterConfig:
-        path = Path(path)
-        return cls.from_hf(read_config_json(path), source=str(path / "config.json" if path.is_dir() else path))
+        return cls.from_hf(*read_config_json(path))
 
     def to_hf(self) -> dict[str, Any]:
         """The z-lab ``config.json`` dict; ``from_hf(to_hf())`` gives this config back."""

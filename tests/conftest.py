@@ -44,20 +44,21 @@ def _build(kind: str):
     return _perturb(model)
 
 
-@pytest.fixture(scope="session")
-def hf_dense(tmp_path_factory):
-    model = _build("dense")
-    path = tmp_path_factory.mktemp("dense")
+def _saved(kind, tmp_path_factory):
+    model = _build(kind)
+    path = tmp_path_factory.mktemp(kind)
     model.save_pretrained(path)
     return model, path
+
+
+@pytest.fixture(scope="session")
+def hf_dense(tmp_path_factory):
+    return _saved("dense", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def hf_moe(tmp_path_factory):
-    model = _build("moe")
-    path = tmp_path_factory.mktemp("moe")
-    model.save_pretrained(path)
-    return model, path
+    return _saved("moe", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
