@@ -1,1 +1,14 @@
-"""dflash_jax: DFlash speculative decoding for Qwen3.5 in JAX/Flax."""
+"""dflash_jax: DFlash speculative decoding (block-diffusion drafter + KV injection) for Qwen3.5 in JAX/Flax.
+
+The names users and notebooks rely on are re-exported here; see README.md for a tour.
+"""
+
+from dflash_jax.drafter import Drafter, load_drafter
+from dflash_jax.generate import GenerateOutput, SpecConfig, generate, make_generate, stream
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.target import Target, load_target
+
+__all__ = [
+    "Drafter", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter", "load_target",
+    "make_generate", "stream",
+]
