@@ -107,6 +107,9 @@ class DrafterConfig:
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
         """Parses a z-lab ``config.json`` (model_type qwen3 with ``dflash_config``, ``block_size``)."""
+        if "dflash_config" not in raw and "block_size" not in raw:
+            raise ConfigError(f"{source}: not a DFlash drafter config (no dflash_config or block_size; "
+                              f"architectures {raw.get('architectures')})")
         with parsing(source):
             dflash = raw.get("dflash_config") or {}
             if raw.get("attention_bias"):
