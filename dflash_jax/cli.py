@@ -160,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-compare", action="store_true", help="skip the plain-decoding baseline")
     g.add_argument("--quiet", action="store_true", help="no loading progress bars")
     g.set_defaults(func=cmd_generate)
+    from dflash_jax.bench import add_parser as add_bench
+
+    add_bench(sub)
     try:
         from dflash_jax.train.cli import add_commands
     except ImportError:  # the training extras are optional at run time
