@@ -174,3 +174,13 @@ def test_block_sizes_must_be_powers_of_two():
         gdn.RecurrentBlocks(block_v=24)
     with pytest.raises(ValueError, match="chunk = 48"):
         gdn.ChunkedBlocks(chunk=48)
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 100])
+def test_chunked_form_equals_token_recurrence(T):
+    """The WY/UT chunked form (prefill) and the token-by-token recurrence (verify) are the same rule."""
+    args = make_inputs(2, T, 1, 3, 16, 16, F32, seed=100 + T)
+    o, state = chunked_reference(*args)
+    ref_o, ref_state = gdn.gdn_recurrent_reference(*args)
+    np.testing.assert_allclose(o, ref_o, atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(state, ref_state, atol=2e-5, rtol=1e-5)
