@@ -1,0 +1,132 @@
+"""Training: the loop (loss goes down, resume is exact), the drafter recipe pinned to the decoder, the assets."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import drafter as dr
+from dflash_jax.target import forward, init_target, load_target
+from dflash_jax.train import drafter as dt
+from dflash_jax.train import lm, loop
+
+ASSETS = Path(__file__).resolve().parent.parent / "dflash_jax" / "assets"
+
+
+def tiny_target(seed=0):
+    cfg = lm.small_config(vocab_size=64, eos_id=0, hidden=32, layers=4, intermediate=64, heads=2, kv_heads=1,
+                          head_dim=16, linear_key_heads=1, linear_value_heads=2, linear_head_dim=16)
+    return init_target(cfg, seed=seed)
+
+
+def repeated(batch):
+    while True:
+        yield batch
+
+
+def test_training_lowers_loss_and_resumes_exactly(tmp_path):
+    target = tiny_target()
+    batch = np.random.default_rng(0).integers(2, 64, (2, 32)).astype(np.int32)
+    loss_fn = lm.lm_loss_fn(target.graphdef)
+    cfg = loop.TrainConfig(steps=4, lr=1e-2, warmup=0.0, ckpt_every=2, log_every=1)
+    full = loop.train(loss_fn, target.params, None, repeated(batch), cfg, ckpt_dir=tmp_path)
+    losses = [h["loss"] for h in full.history]
+    assert losses[-1] < losses[0]
+    # Interrupted after step 2: the rerun resumes there and ends at the same params.
+    shutil.rmtree(tmp_path / "step_4")
+    resumed = loop.train(loss_fn, target.params, None, repeated(batch), cfg, ckpt_dir=tmp_path)
+    assert resumed.step == 4 and [h["step"] for h in resumed.history] == [3, 4]
+    for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _drafter_setup(layer_types=("full_attention", "full_attention"), window=None):
+    target = tiny_target()
+    cfg = dt.drafter_config(target.cfg, num_layers=2, taps=(0, 2), mask_token_id=1, block_size=8, heads=2,
+                            kv_heads=1, head_dim=16, intermediate=64)
+    cfg = dr.DrafterConfig(**{**cfg.__dict__, "layer_types": layer_types, "sliding_window": window})
+    drafter = dr.init_drafter(cfg, seed=3)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(2, 64, (1, 24)), jnp.int32)
+    taps = forward(target.graphdef, target.params, tokens, taps=cfg.target_layer_ids).taps  # [1, 24, 64]
+    return target, cfg, drafter, tokens, taps
+
+
+def _blocks(cfg, tokens, anchors):
+    block = np.full((1, len(anchors), cfg.block_size), cfg.mask_token_id, np.int32)
+    block[0, :, 0] = np.asarray(tokens)[0, anchors]
+    return jnp.asarray(block)
+
+
+@pytest.mark.parametrize("layer_types,window", [(("full_attention", "full_attention"), None),
+                                                (("full_attention", "sliding_attention"), 8)])
+def test_training_forward_equals_inference_path(layer_types, window):
+    target, cfg, drafter, tokens, taps = _drafter_setup(layer_types, window)
+    model, tmod = drafter.module(), target.module()
+    anchors = np.array([5, 11, 16])
+    block = _blocks(cfg, tokens, anchors)
+    trained = dt.block_hidden(model, taps, tmod.model.embed_tokens(block), jnp.asarray(anchors[None], jnp.int32))
+    for n, a in enumerate(anchors):
+        cache = dr.init_draft_cache(cfg, 1, 64, jnp.float32)
+        cache = dr.advance(dr.write_context(model, cache, taps[:, :a]), a)
+        hidden, _ = dr.draft_block(model, cache, tmod.model.embed_tokens(block[:, n]))
+        np.testing.assert_allclose(np.asarray(trained[:, n]), np.asarray(hidden), atol=1e-5)
+
+
+def test_anchor_mask_is_strict():
+    target, cfg, drafter, tokens, taps = _drafter_setup()
+    model, emb = drafter.module(), target.module().model.embed_tokens
+    anchors = jnp.asarray([[9]], jnp.int32)
+    x = emb(_blocks(cfg, tokens, [9]))
+    base = dt.block_hidden(model, taps, x, anchors)
+    own = dt.block_hidden(model, taps.at[:, 9:].add(1.0), x, anchors)  # the anchor's tap and everything after
+    np.testing.assert_array_equal(np.asarray(base), np.asarray(own))
+    before = dt.block_hidden(model, taps.at[:, 8].add(1.0), x, anchors)
+    assert np.abs(np.asarray(before - base)).max() > 1e-4
+
+
+def test_blocks_do_not_see_each_other():
+    target, cfg, drafter, tokens, taps = _drafter_setup()
+    model, emb = drafter.module(), target.module().model.embed_tokens
+    anchors = jnp.asarray([[5, 12]], jnp.int32)
+    x = emb(_blocks(cfg, tokens, [5, 12]))
+    base = dt.block_hidden(model, taps, x, anchors)
+    other = dt.block_hidden(model, taps, x.at[:, 1].add(1.0), anchors)
+    np.testing.assert_array_equal(np.asarray(base[:, 0]), np.asarray(other[:, 0]))
+
+
+def test_loss_weights_and_same_position_labels():
+    w = dt.loss_weights(16)
+    assert w[0] == 0 and np.allclose(w[1:], np.exp(-np.arange(15) / 7.0))
+    target, cfg, drafter, tokens, taps = _drafter_setup()
+    anchors = np.array([[4, 10]], np.int32)
+    loss, _ = dt.drafter_loss_fn(drafter.graphdef, target.graphdef, cfg)(
+        drafter.params, target.params, {"tokens": tokens, "taps": taps, "anchors": anchors})
+    tmod = target.module()
+    hidden = dt.block_hidden(drafter.module(), taps, tmod.model.embed_tokens(_blocks(cfg, tokens, anchors[0])),
+                             jnp.asarray(anchors))
+    logp = jax.nn.log_softmax(tmod.logits(hidden), -1)[0]  # [N, Bk, V]
+    labels = np.asarray(tokens)[0, anchors[0][:, None] + np.arange(cfg.block_size)]  # block offset k -> a + k
+    ce = -np.take_along_axis(np.asarray(logp), labels[..., None], -1)[..., 0]
+    wk = dt.loss_weights(cfg.block_size)
+    np.testing.assert_allclose(float(loss), (ce * wk).sum() / (2 * wk.sum()), rtol=1e-5)
+
+
+@pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="shipped assets absent")
+def test_shipped_assets_load():
+    from transformers import AutoTokenizer
+
+    target = load_target(ASSETS / "target", jnp.float32, progress=False)
+    drafter = dr.load_drafter(ASSETS / "drafter", target, progress=False)
+    tok = AutoTokenizer.from_pretrained(ASSETS / "target")
+    snippet = "def add(a, b):\n    return a + b  # sum\n"
+    ids = tok(snippet)["input_ids"]
+    assert tok.decode(ids) == snippet
+    assert tok.convert_tokens_to_ids("<|mask|>") == drafter.cfg.mask_token_id
+    assert tok.eos_token_id in target.cfg.eos_token_ids and drafter.cfg.block_size == 16
+    logits = forward(target.graphdef, target.params, jnp.asarray([ids])).logits
+    assert logits.shape == (1, len(ids), target.cfg.vocab_size) and bool(jnp.isfinite(logits).all())
