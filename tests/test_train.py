@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 
@@ -45,6 +46,7 @@ def test_training_lowers_loss_and_resumes_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@functools.cache
 def _drafter_setup(layer_types=("full_attention", "full_attention"), window=None):
     target = tiny_target()
     cfg = dt.drafter_config(target.cfg, num_layers=2, taps=(0, 2), mask_token_id=1, block_size=8, heads=2,
@@ -52,7 +54,8 @@ def _drafter_setup(layer_types=("full_attention", "full_attention"), window=None
     cfg = dr.DrafterConfig(**{**cfg.__dict__, "layer_types": layer_types, "sliding_window": window})
     drafter = dr.init_drafter(cfg, seed=3)
     tokens = jnp.asarray(np.random.default_rng(0).integers(2, 64, (1, 24)), jnp.int32)
-    taps = forward(target.graphdef, target.params, tokens, taps=cfg.target_layer_ids).taps  # [1, 24, 64]
+    taps = jax.jit(lambda p, x: forward(target.graphdef, p, x, taps=cfg.target_layer_ids).taps)(
+        target.params, tokens)  # [1, 24, 64]
     return target, cfg, drafter, tokens, taps
 
 

@@ -119,11 +119,11 @@ def add_commands(sub) -> None:
     p.add_argument("--taps", default="0,1,2", help="target layer ids whose outputs feed the drafter")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
-    _loop_args(p, steps=240, lr=2e-3, batch=8)
+    _loop_args(p, steps=180, lr=2e-3, batch=8)
     p.set_defaults(func=cmd_drafter)
 
     p = sub.add_parser("train-mtp", help="train the target's MTP head on the frozen target")
     _data_args(p)
     p.add_argument("--out", type=Path, required=True, help="target directory written with its mtp.* head")
-    _loop_args(p, steps=120, lr=2e-3, batch=8)
+    _loop_args(p, steps=100, lr=2e-3, batch=8)
     p.set_defaults(func=cmd_mtp)

@@ -10,6 +10,7 @@ params are replicated; jit inserts the gradient all-reduce.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import shutil
 import time
@@ -64,6 +65,21 @@ def _shardings(batch_example):
     return NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
 
 
+@functools.lru_cache(maxsize=16)
+def _step_fn(loss_fn: Callable, cfg: TrainConfig):
+    """The jitted optimizer step; cached so a resumed run in the same process reuses the compiled step."""
+    opt = make_optimizer(cfg)
+
+    @jax.jit
+    def step_fn(state, frozen, batch):
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], frozen, batch)
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state, "step": state["step"] + 1}
+        return new, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
+
+    return step_fn
+
+
 @dataclasses.dataclass
 class Result:
     params: object
@@ -86,15 +102,9 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
     if done:
         state = checkpoint.restore_params(ckpt_dir / f"step_{done[-1]}", state)
     start = int(state["step"])
+    step_fn = _step_fn(loss_fn, cfg)
     for _ in range(start):
         next(batches)
-
-    @jax.jit
-    def step_fn(state, frozen, batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], frozen, batch)
-        updates, opt_state = opt.update(grads, state["opt"], state["params"])
-        new = {"params": optax.apply_updates(state["params"], updates), "opt": opt_state, "step": state["step"] + 1}
-        return new, dict(metrics, loss=loss, grad_norm=optax.global_norm(grads))
 
     history, t0, first = [], time.time(), True
     bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)

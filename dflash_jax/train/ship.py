@@ -42,10 +42,10 @@ class Sizes:
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 240
+    drafter_steps: int = 180
     drafter_lr: float = 2e-3
     mtp_batch: int = 8
-    mtp_steps: int = 120
+    mtp_steps: int = 100
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table
 
