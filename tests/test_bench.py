@@ -104,3 +104,9 @@ def test_humaneval_offline_in_zlab_format():
     turns = bench.load_turns("humaneval", None, 2)
     assert len(turns) == 2 and turns[0].startswith("Write a solution to the following problem")
     assert "def has_close_elements" in turns[0] and turns[0].endswith("```")
+
+
+def test_batches_cycle_prompts_into_whole_batches():
+    assert bench._batches(3, 1) == [[0], [1], [2]]
+    assert bench._batches(3, 2) == [[0, 1], [2, 0]]
+    assert bench._batches(2, 4) == [[0, 1, 0, 1]]
