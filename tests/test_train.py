@@ -133,3 +133,17 @@ def test_shipped_assets_load():
     assert tok.eos_token_id in target.cfg.eos_token_ids and drafter.cfg.block_size == 16
     logits = forward(target.graphdef, target.params, jnp.asarray([ids])).logits
     assert logits.shape == (1, len(ids), target.cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+
+
+@pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="shipped assets absent")
+def test_shipped_target_matches_transformers():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(ASSETS / "target")("def add(a, b):\n    return a + b\n")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(ASSETS / "target", dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits.numpy()
+    target = load_target(ASSETS / "target", jnp.float32, progress=False)
+    ours = np.asarray(forward(target.graphdef, target.params, jnp.asarray([ids])).logits)
+    np.testing.assert_allclose(ours, ref, atol=1e-3)
