@@ -131,8 +131,7 @@ def test_shipped_assets_load():
     assert tok.decode(ids) == snippet
     assert tok.convert_tokens_to_ids("<|mask|>") == drafter.cfg.mask_token_id
     assert tok.eos_token_id in target.cfg.eos_token_ids and drafter.cfg.block_size == 16
-    logits = forward(target.graphdef, target.params, jnp.asarray([ids])).logits
-    assert logits.shape == (1, len(ids), target.cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+    assert target.module().mtp is not None  # the MTP baseline ships with the target
 
 
 @pytest.mark.skipif(not (ASSETS / "target" / "config.json").exists(), reason="shipped assets absent")
@@ -145,5 +144,5 @@ def test_shipped_target_matches_transformers():
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits.numpy()
     target = load_target(ASSETS / "target", jnp.float32, progress=False)
-    ours = np.asarray(forward(target.graphdef, target.params, jnp.asarray([ids])).logits)
+    ours = np.asarray(jax.jit(lambda p, x: forward(target.graphdef, p, x).logits)(target.params, jnp.asarray([ids])))
     np.testing.assert_allclose(ours, ref, atol=1e-3)
