@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import jax
@@ -9,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import generate as gen
 from dflash_jax import sampling
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
@@ -17,6 +17,9 @@ from dflash_jax.generate import SpecConfig, make_generate, pad_prompts
 from dflash_jax.proposers import DFlashProposer
 from dflash_jax.sampling import SamplingConfig, accept, probs
 from dflash_jax.target import init_target
+
+# The package re-exports the function ``generate``, which shadows the module of that name.
+gen = importlib.import_module("dflash_jax.generate")
 
 V = 8
 
