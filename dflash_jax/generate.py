@@ -148,16 +148,26 @@ class _Loop:
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
             accepted=jnp.zeros((B, block), jnp.int32))
 
-    def step(self, params, s: LoopState) -> LoopState:
+    def draft(self, params, s: LoopState):
+        """Phase 1: the proposer's k drafts after each row's anchor -> (drafts, q, proposer state, keys)."""
         tparams, pparams = params
-        k, sampling = self.spec.block_size - 1, self.spec.sampling
-        active = s.finish == RUNNING
         keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, s.step)))(s.keys)  # [B, 2]
         target = nnx.merge(self.graphdef, tparams)
-        drafts, q, pstate = self.proposer.propose(target, pparams, s.proposer, s.anchor, k, keys[:, 0], sampling)
+        drafts, q, pstate = self.proposer.propose(target, pparams, s.proposer, s.anchor, self.spec.block_size - 1,
+                                                  keys[:, 0], self.spec.sampling)
+        return drafts, q, pstate, keys
+
+    def check(self, params, s: LoopState, drafts):
+        """Phase 2: the target verifies [anchor, d_1 .. d_k] -> (TargetOutput, cache with pending rows)."""
         block = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [B, k+1]
-        verified, vcache = verify(self.graphdef, tparams, block, s.cache, taps=self.proposer.taps)
-        a, bonus = accept(drafts, q, verified.logits, keys[:, 1], sampling)
+        return verify(self.graphdef, params[0], block, s.cache, taps=self.proposer.taps)
+
+    def settle(self, params, s: LoopState, drafts, q, pstate, keys, verified, vcache) -> LoopState:
+        """Phase 3: accept, emit (cut at stop ids and max_new_tokens), commit target and proposer."""
+        tparams, pparams = params
+        k = self.spec.block_size - 1
+        active = s.finish == RUNNING
+        a, bonus = accept(drafts, q, verified.logits, keys[:, 1], self.spec.sampling)
         # Emitted this step: d_1 .. d_a, then the bonus at index a; cut after a stop id and at max_new_tokens.
         j = jnp.arange(k + 1)[None, :]
         emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
@@ -170,13 +180,24 @@ class _Loop:
         finish = jnp.where(stopped, STOPPED, jnp.where(active & (n_out >= self.spec.max_new_tokens), LENGTH,
                                                         s.finish))
         n = jnp.where(active, a + 1, 0)
+        target = nnx.merge(self.graphdef, tparams)
         return LoopState(
             cache=commit(vcache, n),
             proposer=self.proposer.commit(target, pparams, pstate, verified, n),
             anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
-            accepted=s.accepted + (active[:, None] & (jnp.arange(k + 1)[None, :] == a[:, None])))
+            accepted=s.accepted + (active[:, None] & (j == a[:, None])))
+
+    def step(self, params, s: LoopState) -> LoopState:
+        drafts, q, pstate, keys = self.draft(params, s)
+        verified, vcache = self.check(params, s, drafts)
+        return self.settle(params, s, drafts, q, pstate, keys, verified, vcache)
+
+    def decode(self, params, s: LoopState) -> GenerateOutput:
+        """Steps until every row has finished, on device, then the output."""
+        s = jax.lax.while_loop(lambda s: jnp.any(s.finish == RUNNING), functools.partial(self.step, params), s)
+        return self.finish(s)
 
     def finish(self, s: LoopState) -> GenerateOutput:
         max_new = self.spec.max_new_tokens
@@ -199,11 +220,8 @@ def make_generate(target: Target, proposer=NoProposer(), spec: SpecConfig = Spec
     loop = _Loop(target, proposer, spec)
 
     def generate_fn(params, prompts, prompt_lens, rng):
-        prompt_lens = jnp.asarray(prompt_lens, jnp.int32)
-        state = loop.init(params, jnp.asarray(prompts, jnp.int32), prompt_lens, rng)
-        state = jax.lax.while_loop(lambda s: jnp.any(s.finish == RUNNING), functools.partial(loop.step, params),
-                                   state)
-        return loop.finish(state)
+        state = loop.init(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
+        return loop.decode(params, state)
 
     return generate_fn
 
