@@ -54,10 +54,6 @@ class TargetCache:
     lengths: jax.Array  # [B] int32 tokens processed (committed) per row
     layers: tuple[AttentionCache | GDNCache, ...]
 
-    @property
-    def capacity(self) -> int:
-        return next(c.k.shape[1] for c in self.layers if isinstance(c, AttentionCache))
-
 
 def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCache:
     """An empty cache for ``batch`` rows of up to ``capacity`` tokens."""

@@ -15,7 +15,6 @@ returns them from prefill and verify).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +110,3 @@ class OracleProposer:
     def commit(self, target, params, state, verified, n):
         pos, step = state
         return pos + n, step + 1
-
-
-Proposer = NoProposer | DFlashProposer | OracleProposer
-ProposerParams = Any
