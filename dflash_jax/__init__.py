@@ -4,8 +4,8 @@ The names users and notebooks rely on are re-exported here; see README.md for a 
 """
 
 from dflash_jax.drafter import Drafter, load_drafter
-from dflash_jax.generate import GenerateOutput, SpecConfig, generate, make_generate, stream
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative import GenerateOutput, SpecConfig, generate, make_generate, stream
 from dflash_jax.target import Target, load_target
 
 __all__ = [

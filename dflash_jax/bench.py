@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.generate import RUNNING, SpecConfig, _Loop, bucket_for, pad_prompts
 from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative import RUNNING, SpecConfig, _Loop, bucket_for, pad_prompts
 
 WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 
 from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError
-from dflash_jax.generate import GenerateOutput, generate, stream
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative import GenerateOutput, generate, stream
 
 ASSETS = resources.files("dflash_jax") / "assets"
 METHODS = ("dflash", "mtp")

@@ -1,4 +1,4 @@
-"""Draft proposers behind one interface, so the loop in ``generate.py`` does not care who drafts.
+"""Draft proposers behind one interface, so the loop in ``speculative.py`` does not care who drafts.
 
 A proposer is a frozen, hashable description (static under jit) with three pure methods:
 ``init`` after the target's prefill (it also gets the prompt tokens [B, P]), ``propose`` of k

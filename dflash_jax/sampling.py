@@ -1,6 +1,6 @@
 """Token sampling and the lossless acceptance rules of speculative decoding.
 
-Sits between the models (which produce logits) and the loop in ``generate.py``. The same
+Sits between the models (which produce logits) and the loop in ``speculative.py``. The same
 temperature / top-k / top-p transform turns target logits into p and draft logits into q, so the
 acceptance rule sees the distributions the user asked for. Greedy (temperature 0) accepts the
 longest prefix of drafts that equal the target's argmax. Sampling accepts draft d with probability

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import shutil
 
@@ -20,16 +19,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from dflash_jax import speculative as gen
 from dflash_jax.checkpoint import write_safetensors
 from dflash_jax.config import TargetConfig
-from dflash_jax.generate import SpecConfig, make_generate, pad_prompts
 from dflash_jax.mtp import MTPProposer, mtp_step
 from dflash_jax.proposers import NoProposer
 from dflash_jax.sampling import SamplingConfig, probs
+from dflash_jax.speculative import SpecConfig, make_generate, pad_prompts
 from dflash_jax.target import Qwen35ForCausalLM, Target, forward, load_target
-
-# The package re-exports the function ``generate``, which shadows the module of that name.
-gen = importlib.import_module("dflash_jax.generate")
 
 PROMPT_LENS, BUCKET, MAX_NEW = (5, 12, 1, 9), 16, 24
 

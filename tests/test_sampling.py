@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import itertools
 
 import jax
@@ -11,15 +10,13 @@ import numpy as np
 import pytest
 
 from dflash_jax import sampling
+from dflash_jax import speculative as gen
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
-from dflash_jax.generate import SpecConfig, make_generate, pad_prompts
 from dflash_jax.proposers import DFlashProposer
 from dflash_jax.sampling import SamplingConfig, accept, probs
+from dflash_jax.speculative import SpecConfig, make_generate, pad_prompts
 from dflash_jax.target import init_target
-
-# The package re-exports the function ``generate``, which shadows the module of that name.
-gen = importlib.import_module("dflash_jax.generate")
 
 V = 8
 

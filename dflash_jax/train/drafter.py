@@ -24,8 +24,8 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DFlashDrafter, Drafter, DrafterConfig, init_drafter
-from dflash_jax.generate import generate
 from dflash_jax.layers import rope
+from dflash_jax.speculative import generate
 from dflash_jax.target import Target, forward
 from dflash_jax.train import loop
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.drafter import load_drafter
-from dflash_jax.generate import generate
 from dflash_jax.mtp import MTPProposer
+from dflash_jax.speculative import generate
 from dflash_jax.target import load_target
 from dflash_jax.train import corpus
 from dflash_jax.train import tokenizer as tk

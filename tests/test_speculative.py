@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax import speculative as gen
 from dflash_jax.drafter import DrafterConfig, init_drafter
-from dflash_jax.generate import SpecConfig, generate, make_generate, pad_prompts, stream
 from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative import SpecConfig, generate, make_generate, pad_prompts, stream
 from dflash_jax.target import load_target
-
-# The package re-exports the function ``generate``, which shadows the module of that name.
-gen = importlib.import_module("dflash_jax.generate")
 
 MAX_NEW = 24
 PROMPT_LENS = (5, 12, 1, 9)
