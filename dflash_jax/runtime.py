@@ -1,0 +1,168 @@
+"""What every front end does before decoding: model paths, tokenizer, prompt encoding, proposer choice.
+
+Sits between the library (``target.py``, ``drafter.py``, ``proposers.py``, ``mtp.py``) and its front
+ends: the ``dflash-jax`` command (``cli.py``), the benchmark client (``bench.py``), the acceptance
+table of the shipped models (``train/evaluate.py``) and the notebooks. They all resolve the default
+models, load and check the tokenizer, encode a prompt and turn a method string (``ar``, ``mtp:K``,
+``dflash:B``) into a proposer the same way, through this module. Errors are ``ValueError``s whose
+message names the flag, file or folder the user gave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.proposers import DFlashProposer, NoProposer
+
+# The shipped small models (``target``, ``drafter``); DFLASH_JAX_ASSETS points at another folder of that layout.
+ASSETS = Path(os.environ.get("DFLASH_JAX_ASSETS", str(resources.files("dflash_jax") / "assets")))
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A folder with none of these holds no tokenizer (transformers would silently build an empty one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json",
+                   "tokenizer.tiktoken")
+
+
+def default_dtype() -> str:
+    """bfloat16 on accelerators (a 27B target and its drafter fit one H200 only in bf16), float32 on CPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def model_dirs(model: str | None, draft_model: str | None) -> tuple[Path, Path | None]:
+    """(target dir, drafter dir or None): the shipped pair by default; no drafter with a user's --model."""
+    if model is None:
+        return ASSETS / "target", Path(draft_model) if draft_model else ASSETS / "drafter"
+    return Path(model), Path(draft_model) if draft_model else None
+
+
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
+    """The Hugging Face tokenizer in folder ``path``; a clear error naming ``flag`` and the folder otherwise."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{flag} {path}: not a directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{flag} {path}: no tokenizer files in the folder (expected one of "
+                         f"{', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path}: no usable tokenizer ({e})") from None
+
+
+def uses_chat_template(tokenizer, chat: str) -> bool:
+    """``chat`` "auto" (when the tokenizer has a template), "on" (an error without one) or "off"."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat == "on" and not has_template:
+        raise ValueError("--chat-template on: the tokenizer has no chat template")
+    return chat != "off" and has_template
+
+
+def encode(tokenizer, text: str, chat: str = "auto", thinking: bool = False) -> list[int]:
+    """Token ids of one user turn: rendered by the chat template (as text, then encoded) or the raw text.
+
+    The template is rendered to text rather than tokenized by ``apply_chat_template``, whose
+    return type differs between transformers versions (a mapping in 5.x); the rendered text already
+    holds every special token, so none are added again.
+    """
+    if uses_chat_template(tokenizer, chat):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=thinking)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encoding_name(tokenizer, chat: str, thinking: bool) -> str:
+    """How ``encode`` makes ids with these settings: "chat template (thinking on/off)" or "raw text"."""
+    if uses_chat_template(tokenizer, chat):
+        return f"chat template (thinking {'on' if thinking else 'off'})"
+    return "raw text"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B)."""
+
+    kind: str
+    block: int
+
+    @property
+    def name(self) -> str:
+        return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": f"dflash:{self.block}"}[self.kind]
+
+
+AR = Method("ar", 1)
+
+
+def parse_method(item: str, flag: str = "--methods") -> Method:
+    """'ar', 'mtp:K' (K in 1..15) or 'dflash:B' (B >= 2) -> Method; errors name ``flag``."""
+    item = item.strip()
+    if item == "ar":
+        return AR
+    kind, _, arg = item.partition(":")
+    if kind not in ("mtp", "dflash") or not arg.isdigit():
+        raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15) or dflash:B (B >= 2)")
+    n = int(arg)
+    if kind == "mtp" and not 1 <= n <= 15:
+        raise ValueError(f"{flag}: {item!r}: MTP steps K must be in 1..15")
+    if kind == "dflash" and n < 2:
+        raise ValueError(f"{flag}: {item!r}: DFlash block B must be >= 2 (block 1 is ar)")
+    return Method(kind, n + 1 if kind == "mtp" else n)
+
+
+def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True):
+    """(target, drafter or None) for ``methods``: the MTP head only when an MTP method is among them.
+
+    The drafter is loaded only when a DFlash method is among them; one without ``draft_dir`` is an error.
+    """
+    from dflash_jax.drafter import load_drafter
+    from dflash_jax.target import load_target
+
+    kinds = {m.kind for m in methods}
+    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False)
+    drafter = None
+    if "dflash" in kinds:
+        if draft_dir is None:
+            raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
+                             f"shipped one, so there is no default drafter)")
+        drafter = load_drafter(draft_dir, target, progress=progress)
+        too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
+        if too_big:
+            raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
+                             f"({draft_dir})")
+    return target, drafter
+
+
+def has_mtp(target) -> bool:
+    return target.module().mtp is not None
+
+
+def proposer_for(method: Method, target, drafter):
+    """(proposer, proposer params) drafting for ``method`` (``load_models`` loaded what it needs)."""
+    if method.kind == "ar":
+        return NoProposer(), ()
+    if method.kind == "dflash":
+        return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
+    from dflash_jax.mtp import MTPProposer
+
+    return MTPProposer(target.cfg, method.block - 1), ()
+
+
+def writable_dir(path: str | Path, flag: str) -> Path:
+    """Creates folder ``path`` if needed and proves it writable now, before any work that would write there."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dflash_jax_write_check"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: not writable ({e.strerror or e})") from None
+    return path
