@@ -1,0 +1,117 @@
+"""The roofline: FLOPs and bytes checked against hand counts and the models' own parameter trees,
+the ceiling in its two limits, and the machine measurement."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from dflash_jax import roofline
+from dflash_jax.config import TargetConfig
+from dflash_jax.drafter import DFlashDrafter, DrafterConfig
+from dflash_jax.target import Qwen35ForCausalLM
+
+# All-attention, tied: small enough to count by hand.
+HAND = TargetConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, layer_types=("full_attention",) * 2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, intermediate_size=128,
+                    tie_word_embeddings=True)
+HYBRID = TargetConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4,
+                      layer_types=("linear_attention",) * 3 + ("full_attention",), num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                      linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=96)
+MOE = TargetConfig(**{**HYBRID.__dict__, "intermediate_size": 0, "num_experts": 8, "num_experts_per_tok": 2,
+                      "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48})
+DRAFT = DrafterConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      intermediate_size=160, vocab_size=512, block_size=16, mask_token_id=1,
+                      target_layer_ids=(0, 2), num_target_layers=4)
+
+
+def test_hand_counted_decode_step():
+    # Per layer: q (with gate) 64x128, k 64x32, v 64x32, o 64x64, MLP 3x64x128 = 40960 weights; tied head 64x256.
+    weights = 2 * 40960 + 64 * 256
+    attn = 2 * 2 * 2 * (1 * 2 * 32 * 11)  # 2 layers x (QK, PV) x 2 FLOPs: 1 query, 2 heads of 32, 11 keys
+    cost = roofline.step_cost(HAND, None, block=1, context=10, dtype=jnp.float32)
+    assert cost.flops == 2 * weights + attn
+    kv = 2 * 2 * (11 + 1) * 32 * 4  # 2 layers x K,V x (11 rows read + 1 written) x 32 x f32
+    assert cost.bytes == 4 * weights + kv + 64 * 4 + 256 * 4  # + embedding row, f32 logits
+
+
+def _matmul_weights(state) -> int:
+    """Entries of every 2-D [out, in] weight of an abstract NNX state (norms, conv, decay params excluded)."""
+    return sum(math.prod(v.shape) for _, v in nnx.to_flat_state(state) if len(v.shape) == 2)
+
+
+def test_flops_match_the_parameter_trees():
+    """At context 0 a step's matmul FLOPs are 2 x rows x the 2-D weights of the real modules."""
+    graph = nnx.eval_shape(lambda: Qwen35ForCausalLM(HYBRID, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    params = nnx.state(graph, nnx.Param)
+    embed = HYBRID.vocab_size * HYBRID.hidden_size  # gathered, not multiplied (the head is untied)
+    T, B = 5, 3
+    attn = 2 * 2 * B * T * 4 * 16 * T  # one attention layer, T keys
+    got = roofline.target_cost(HYBRID, tokens=T, batch=B, dtype=jnp.float32).flops
+    assert got == 2 * B * T * (_matmul_weights(params) - embed) + attn
+
+    drafter = nnx.state(nnx.eval_shape(lambda: DFlashDrafter(DRAFT, dtype=jnp.float32, rngs=nnx.Rngs(0))), nnx.Param)
+    Bk = 8
+    context_kv = 2 * 2 * B * Bk * 64 * (2 * 2 * 16)  # 2 layers' K and V projections (2 heads of 16) of the context
+    head = 2 * B * (Bk - 1) * 64 * 512
+    attn = 2 * 2 * 2 * B * Bk * 4 * 16 * Bk
+    got = roofline.drafter_cost(DRAFT, HYBRID, block=Bk, batch=B, dtype=jnp.float32).flops
+    assert got == 2 * B * Bk * _matmul_weights(drafter) + context_kv + head + attn
+
+
+def test_flops_near_xla_count():
+    """XLA's own FLOP count of the compiled full-sequence forward agrees with the analytic count."""
+    from dflash_jax.target import forward, init_target
+
+    target = init_target(HAND)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    compiled = jax.jit(lambda p, t: forward(target.graphdef, p, t).logits).lower(target.params, tokens).compile()
+    xla = compiled.cost_analysis()["flops"]
+    ours = roofline.target_cost(HAND, tokens=16, batch=2, dtype=jnp.float32).flops
+    assert 0.9 < xla / ours < 1.25, (xla, ours)  # XLA also counts norms, softmax and elementwise ops
+
+
+def test_moe_reads_only_the_experts_it_picks():
+    one = roofline.target_cost(MOE, tokens=1, dtype=jnp.bfloat16)
+    many = roofline.target_cost(MOE, tokens=16, batch=32, dtype=jnp.bfloat16)
+    expert = 3 * 64 * 32 * 2  # gate/up/down of one expert, bf16
+    assert roofline._distinct_experts(1, 8, 2) == pytest.approx(2)
+    assert roofline._distinct_experts(512, 8, 2) == pytest.approx(8)
+    # 4 layers each read 6 more experts at 512 tokens than at 1 (plus activations, K/V and logits)
+    assert many.bytes - one.bytes > 4 * 6 * expert
+
+
+def test_ceiling_limits():
+    """Bandwidth-bound: the ceiling is tau x byte ratio; compute-bound: tau x FLOP ratio."""
+    kw = dict(block=16, batch=1, context=100, dtype=jnp.bfloat16)
+    plain = roofline.step_cost(HYBRID, None, block=1, batch=1, context=100, dtype=jnp.bfloat16)
+    spec = roofline.step_cost(HYBRID, DRAFT, **kw)
+    bandwidth_bound = roofline.Machine(matmul_flops_per_s=1e30, bytes_per_s=1e9)
+    compute_bound = roofline.Machine(matmul_flops_per_s=1e9, bytes_per_s=1e30)
+    assert roofline.ceiling(bandwidth_bound, HYBRID, DRAFT, tau=6, **kw) == pytest.approx(
+        6 * plain.bytes / spec.bytes)
+    assert roofline.ceiling(compute_bound, HYBRID, DRAFT, tau=6, **kw) == pytest.approx(6 * plain.flops / spec.flops)
+    # compute-bound, a 16-token step costs more than 16 one-token steps' FLOPs (the drafter is extra)
+    assert roofline.ceiling(compute_bound, HYBRID, DRAFT, tau=16, **kw) < 1
+    assert roofline.tokens_per_second(bandwidth_bound, HYBRID, None, block=1, tau=1) == pytest.approx(
+        1e9 / roofline.step_cost(HYBRID, None, block=1).bytes)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="block 4 needs a drafter"):
+        roofline.step_cost(HYBRID, None, block=4)
+    with pytest.raises(ValueError, match="batch=0"):
+        roofline.step_cost(HYBRID, DRAFT, block=4, batch=0)
+
+
+def test_measure_machine_is_cached_and_sane():
+    m = roofline.measure_machine("float32", rows=4, working_set_bytes=2**22, repeats=3)
+    assert m is roofline.measure_machine("float32", rows=4, working_set_bytes=2**22, repeats=3)
+    assert 1e8 < m.matmul_flops_per_s < 1e16 and 1e8 < m.bytes_per_s < 1e14
+    c = roofline.measured_ceiling(HYBRID, DRAFT, block=4, tau=3.0, context=10)
+    assert 0 < c and math.isfinite(c)
