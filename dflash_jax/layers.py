@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import kernels
+from dflash_jax.cache import GDNCache, GDNPending
 from dflash_jax.config import TargetConfig
 
 
@@ -199,9 +200,10 @@ class DepthwiseConv(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """Qwen3.5 linear attention: causal depthwise conv + SiLU on q/k/v, then the gated delta rule.
 
-    The recurrent state cannot be cropped after a speculative verify, so verify does not produce
-    one: it returns the per-token inputs of the update (``pending``) and ``commit`` replays the
-    accepted prefix from the old state (see DESIGN.md, "Caches and commit").
+    The recurrent state cannot be cropped after a speculative verify, so the layer owns its part
+    of speculation: ``verify`` reads the cache without writing it and records the per-token update
+    inputs (``GDNPending``); ``commit`` replays the first n of them from the old state and slides
+    the conv window (the invariant is stated in ``target.py``).
     """
 
     def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
@@ -250,13 +252,13 @@ class GatedDeltaNet(nnx.Module):
         B, T = o.shape[:2]
         return self.out_proj(self.norm(o.astype(dtype), z).reshape(B, T, -1))
 
-    def prefill(self, x, lengths):
+    def prefill(self, x, lengths) -> tuple[jax.Array, GDNCache]:
         """A right-padded prompt batch from an empty state.
 
         Args:
           x: [B, P, D]; lengths: [B] real tokens per row (positions >= length are padding).
         Returns:
-          ([B, P, D], conv window [B, K-1, C], state [B, Hv, Dk, Dv] f32) after exactly lengths[b] tokens.
+          ([B, P, D], the cache after exactly lengths[b] tokens: conv window [B, K-1, C], state f32).
         """
         cfg = self.cfg
         B, P, _ = x.shape
@@ -267,16 +269,27 @@ class GatedDeltaNet(nnx.Module):
         state0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                             cfg.linear_value_head_dim), jnp.float32)
         o, state = kernels.gdn_chunked(q, k, v, g, beta, state0)
-        return self._output(o, z, x.dtype), slide_window(window, mixed, lengths), state
+        return self._output(o, z, x.dtype), GDNCache(conv=slide_window(window, mixed, lengths), state=state)
 
-    def verify(self, x, conv_window, state):
-        """T speculative tokens; reads the state, writes nothing.
+    def verify(self, x, cache: GDNCache) -> tuple[jax.Array, GDNCache]:
+        """T speculative tokens [B, T, D]: reads the cache, writes nothing.
 
-        Returns ([B, T, D], pending) where pending = (mixed, k, v, g, beta) for ``commit``.
+        Returns ([B, T, D], the same conv window and state with the update inputs pending).
         """
-        q, k, v, g, beta, z, mixed = self._prepare(x, conv_window)
-        o = kernels.gdn_verify(q, k, v, g, beta, state)
-        return self._output(o, z, x.dtype), (mixed, k, v, g, beta)
+        q, k, v, g, beta, z, mixed = self._prepare(x, cache.conv)
+        o = kernels.gdn_verify(q, k, v, g, beta, cache.state)
+        pending = GDNPending(mixed=mixed, k=k, v=v, g=g, beta=beta)
+        return self._output(o, z, x.dtype), GDNCache(conv=cache.conv, state=cache.state, pending=pending)
+
+    @staticmethod
+    def commit(cache: GDNCache, n: jax.Array) -> GDNCache:
+        """Keeps the first n[b] ([B] int32 in 0..T) pending tokens: replays their updates on the state
+        (read once, written once) and slides the conv window past them."""
+        p = cache.pending
+        if p is None:
+            raise ValueError("commit: a Gated DeltaNet cache has no pending verify inputs (call verify first)")
+        state = kernels.gdn_replay(p.k, p.v, p.g, p.beta, cache.state, n)
+        return GDNCache(conv=slide_window(cache.conv, p.mixed, n), state=state)
 
 
 def slide_window(window: jax.Array, mixed: jax.Array, n: jax.Array) -> jax.Array:

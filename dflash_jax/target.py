@@ -1,10 +1,20 @@
-"""The Qwen3.5 target model (dense and MoE): prefill, verify and commit on explicit caches.
+"""The Qwen3.5 target model (dense and MoE) and its speculative cache protocol: prefill, verify, commit.
 
 Sits on top of ``layers.py`` and ``cache.py`` and below the proposers and the loop. The NNX modules
 mirror the HF checkpoint tree, so a parameter's path is its checkpoint key. At jit boundaries the
 model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify`` merge them inside the
 trace. Both return the hidden states of requested layers ("taps": the output of layer i, HF's
 ``hidden_states[i + 1]``), which the DFlash drafter consumes.
+
+The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below keep together:
+``verify(tokens[B, T], cache)`` processes T tokens per row without deciding what is kept, and
+``commit(cache, n[B])`` keeps exactly the first n[b] of them per row, bit-for-bit the cache of having
+processed only those n[b] tokens. Full-attention layers: verify writes K/V rows [len, len + T),
+commit only advances ``lengths`` (rejected rows are masked by length and overwritten later). Gated
+DeltaNet layers (``GatedDeltaNet.verify``/``.commit``): verify reads the state and conv window
+without writing them and records the per-token update inputs (``GDNPending``); commit replays the
+first n of them from the old state and slides the conv window. Decoding one token is verify(T=1)
+followed by commit(1).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import checkpoint
-from dflash_jax.cache import AttentionCache, GDNCache, GDNPending, TargetCache, commit, init_cache
+from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.layers import MLP, Embedding, GatedAttention, GatedDeltaNet, Linear, RMSNorm, SparseMoeBlock
 
@@ -51,13 +61,13 @@ class DecoderLayer(nnx.Module):
 
     def gdn_prefill(self, x, lengths):
         """GDN layer over a right-padded prompt from an empty state."""
-        h, conv, state = self.linear_attn.prefill(self.input_layernorm(x), lengths)
-        return self._mlp_residual(x, h), GDNCache(conv=conv, state=state)
+        h, cache = self.linear_attn.prefill(self.input_layernorm(x), lengths)
+        return self._mlp_residual(x, h), cache
 
     def gdn_verify(self, x, cache: GDNCache):
         """GDN layer over speculative tokens: the cache is read, the update inputs are kept pending."""
-        h, pending = self.linear_attn.verify(self.input_layernorm(x), cache.conv, cache.state)
-        return self._mlp_residual(x, h), GDNCache(conv=cache.conv, state=cache.state, pending=GDNPending(*pending))
+        h, cache = self.linear_attn.verify(self.input_layernorm(x), cache)
+        return self._mlp_residual(x, h), cache
 
 
 class TextModel(nnx.Module):
@@ -148,18 +158,6 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
     return out, TargetCache(lengths=lengths, layers=tuple(layers))
 
 
-def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
-    """Full-sequence forward without a cache (training, scoring): logits [B, T, V] at every position.
-
-    Differentiable; uses the same layers as prefill (chunked GDN) on unpadded rows.
-    """
-    model = nnx.merge(graphdef, params)
-    B, T = tokens.shape
-    cache = init_cache(model.cfg, B, T, model.model.embed_tokens.weight.dtype)
-    hidden, tap_out, _ = _run(model, tokens, cache, jnp.full((B,), T, jnp.int32), taps)
-    return TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
 def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
     """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
@@ -174,6 +172,33 @@ def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...
     hidden, tap_out, layers = _run(model, tokens, cache, None, taps)
     out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
     return out, TargetCache(lengths=cache.lengths, layers=tuple(layers))
+
+
+@jax.jit
+def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
+    """Keeps exactly the first n[b] tokens of the last verify in each row.
+
+    Args:
+      cache: the cache returned by ``verify`` (its GDN layers carry ``pending``).
+      n: [B] int32 in 0..T.
+    Returns:
+      The cache as if only those tokens had been processed, with nothing pending.
+    """
+    n = n.astype(jnp.int32)
+    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c for c in cache.layers)
+    return TargetCache(lengths=cache.lengths + n, layers=layers)
+
+
+def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
+    """Full-sequence forward without a cache (training, scoring): logits [B, T, V] at every position.
+
+    Differentiable; uses the same layers as prefill (chunked GDN) on unpadded rows.
+    """
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    cache = init_cache(model.cfg, B, T, model.model.embed_tokens.weight.dtype)
+    hidden, tap_out, _ = _run(model, tokens, cache, jnp.full((B,), T, jnp.int32), taps)
+    return TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +225,7 @@ class Target:
 
     @staticmethod
     def commit(cache: TargetCache, n) -> TargetCache:
-        return _commit(cache, jnp.asarray(n, jnp.int32))
-
-
-_commit = jax.jit(commit)
+        return commit(cache, jnp.asarray(n, jnp.int32))
 
 
 def _abstract_model(cfg: TargetConfig, dtype, mtp: bool):
