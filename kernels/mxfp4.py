@@ -1,13 +1,16 @@
-"""MXFP4 (OCP microscaling, e2m1 elements with an e8m0 scale per 32) weight-only matmul.
+"""MXFP4 (OCP microscaling, e2m1 elements with an e8m0 scale per 32): the format and the weight-only matmuls.
 
-Where it sits: the quantised dense projections of the Qwen3.5-27B target at decode/verify time (MLP
-5120 <-> 17408, attention q_proj 5120 -> 12288) call ``mxfp4_matmul`` in place of ``x @ w.T``; the
-checkpoint loader (or ``quantize_mxfp4``) provides the packed weights.
+Where it sits: below ``layers.py``. A quantised target (``quant.py`` swaps a ``Linear``'s weight
+for packed codes + scales, and the MoE experts' fused weights likewise) calls ``mxfp4_linear`` in
+place of ``x @ w.T`` and ``mxfp4_grouped_matmul`` in place of ``moe.grouped_matmul``; at 27B the
+dense ones are the MLP (5120 <-> 17408) and attention q_proj (5120 -> 12288).
 
-Storage of a weight w [N, K] (N outputs, K inputs; blocks of 32 run along K):
-- ``w_packed`` [N, K/2] uint8: e2m1 codes (sign, 2 exponent bits, 1 mantissa bit), element 2i in the
-  low nibble and 2i+1 in the high nibble of byte i.
-- ``scales`` [N, K/32] uint8: e8m0 exponents, block scale 2^(s - 127).
+Storage of a weight w [..., N, K] (N outputs, K inputs; blocks of 32 run along K):
+- ``w_packed`` [..., N, K/2] uint8: e2m1 codes (sign, 2 exponent bits, 1 mantissa bit), element 2i
+  in the low nibble and 2i+1 in the high nibble of byte i (``pack_e2m1``).
+- ``scales`` [..., N, K/32] uint8: e8m0 exponents, block scale 2^(s - 127).
+``quantize_mxfp4`` is the OCP rule (``scale_mode="floor"``) or AMD Quark's default (``"even"``);
+``qdq_mxfp4`` is dynamic activation quantisation, emulated.
 
 The Pallas kernel targets decode (M = 1..32 rows): a GEMV bound by reading the weights, whose bytes
 MXFP4 cuts 3.8x against bf16. Grid (N / block_n, split_k, M tiles): a program walks its share of K in
@@ -19,7 +22,8 @@ block scale 2^(s-127) built from the exponent bits, the two nibble planes are in
 (stack + reshape, Triton's join), and one 2-D dot in x's dtype accumulates in f32. The 2^14 is
 restored on the accumulator. With split_k > 1 (few N tiles, e.g. the down projection's N = 5120)
 the programs write f32 partials that a jnp sum combines.
-HBM traffic ~ N * K * (1/2 + 1/32) bytes + x and out.
+HBM traffic ~ N * K * (1/2 + 1/32) bytes + x and out. The grouped kernel tiles like
+``moe.grouped_matmul`` (one expert per row tile, only active experts read) with the same decode.
 
 Range: the kernel's intermediate e2m1 x 2^-14 x 2^(s-127) must stay a normal f32, so blocks with
 s < 16 (scale below 2^-111, no real weight) may flush to zero; ``quantize_mxfp4`` never emits the
@@ -37,8 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dflash_jax.kernels import dispatch
+from dflash_jax.kernels import dispatch, moe
 from dflash_jax.kernels.common import KernelCase, triton_params
+from dflash_jax.kernels.moe import GroupedBlocks
 
 BLOCK = 32  # elements per scale (OCP MX block size)
 _E2M1_EMAX = 2  # exponent of e2m1's largest normal, 6 = 1.5 * 2^2
@@ -48,39 +53,66 @@ _TARGET_PROGRAMS = 256  # gfx950 CUs: split K until every CU has a program
 
 
 # ---------------------------------------------------------------------------------------------
-# Format: quantise, dequantise, reference
+# Format: pack, quantise, dequantise, reference
+
+SCALE_MODES = ("floor", "even")
 
 
-@jax.jit
-def quantize_mxfp4(w):
-    """w [N, K] float (finite; K a multiple of 32) -> (w_packed [N, K/2] uint8, scales [N, K/32] uint8).
+def pack_e2m1(codes):
+    """codes [..., K] uint8 e2m1 codes (0..15) -> [..., K/2] uint8, element 2i in the low nibble."""
+    pairs = codes.astype(jnp.uint8).reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
 
-    OCP MX rule: the block's shared exponent is floor(log2(amax)) - 2 (e2m1's emax), clamped to
-    e8m0's range; elements are divided by 2^shared, rounded to nearest-even on the e2m1 grid and
-    saturated at +-6. An all-zero block gets scale byte 0.
+
+def unpack_e2m1(packed):
+    """[..., K/2] uint8 -> codes [..., K] uint8 (low nibble first): the inverse of ``pack_e2m1``."""
+    return jnp.stack([packed & 0xF, packed >> 4], axis=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+@functools.partial(jax.jit, static_argnames=("scale_mode",))
+def quantize_mxfp4(w, scale_mode: str = "floor"):
+    """w [..., K] float (finite; K a multiple of 32) -> (w_packed [..., K/2] uint8, scales [..., K/32] uint8).
+
+    Blocks of 32 run along the last axis. ``scale_mode="floor"`` is the OCP MX rule: the block's
+    shared exponent is floor(log2(amax)) - 2 (e2m1's emax), clamped to e8m0's range (an all-zero
+    block gets scale byte 0). ``"even"`` is AMD Quark's default: amax is first rounded to 2
+    significant bits, so a block whose amax is >= 1.75 * 2^e takes exponent e + 1 - 2 (its amax
+    rounds to 4 instead of saturating to 6). Elements are divided by 2^shared, rounded to
+    nearest-even on the e2m1 grid and saturated at +-6.
     """
-    N, K = _check_weight_dims(w.shape, "quantize_mxfp4")
-    blocks = w.astype(jnp.float32).reshape(N, K // BLOCK, BLOCK)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)                                      # [N, K/32]
-    _, exp = jnp.frexp(amax)  # amax = m * 2^exp, m in [0.5, 1): floor(log2(amax)) = exp - 1
-    shared = jnp.where(amax > 0, exp - 1 - _E2M1_EMAX, -127)
-    shared = jnp.clip(shared, -127, 127).astype(jnp.int32)
-    # 2^-shared from its f32 bits: exact, and normal for every shared a finite amax gives (-127..125).
-    inv = lax.bitcast_convert_type((127 - shared) << 23, jnp.float32)
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"quantize_mxfp4: scale_mode={scale_mode!r}; expected one of {SCALE_MODES}")
+    _check_weight_dims(w.shape, "quantize_mxfp4")
+    K = w.shape[-1]
+    blocks = w.astype(jnp.float32).reshape(*w.shape[:-1], K // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)                                       # [..., K/32]
+    bits = lax.bitcast_convert_type(amax, jnp.uint32)
+    if scale_mode == "even":
+        bits = bits + 0x200000  # carries into the exponent iff the significand is >= 1.75
+    # Scale byte s = shared + 127 = biased exponent of amax - 2 (zero and subnormal amax clamp to 0).
+    scale = jnp.maximum((bits >> 23).astype(jnp.int32) - _E2M1_EMAX, 0)
+    # 2^-shared = 2^(127 - s) from its f32 bits: exact and normal for every s (0..253).
+    inv = lax.bitcast_convert_type((254 - scale) << 23, jnp.float32)
     q = jnp.clip(blocks * inv[..., None], -_E2M1_MAX, _E2M1_MAX).astype(jnp.float4_e2m1fn)
-    codes = lax.bitcast_convert_type(q, jnp.uint4).astype(jnp.uint8).reshape(N, K // 2, 2)
-    w_packed = codes[..., 0] | (codes[..., 1] << 4)
-    return w_packed, (shared + 127).astype(jnp.uint8)
+    codes = lax.bitcast_convert_type(q, jnp.uint4).astype(jnp.uint8).reshape(w.shape)
+    return pack_e2m1(codes), scale.astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp4(w_packed, scales, dtype=jnp.float32):
-    """(w_packed [N, K/2] uint8, scales [N, K/32] uint8) -> w [N, K] in ``dtype``."""
-    N, K = _check_packed(w_packed, scales, "dequantize_mxfp4")
-    codes = jnp.stack([w_packed & 0xF, w_packed >> 4], axis=-1).reshape(N, K)    # element order
+    """(w_packed [..., K/2] uint8, scales [..., K/32] uint8) -> w [..., K] in ``dtype``."""
+    shape = _check_packed(w_packed, scales, "dequantize_mxfp4", ndim=None)
+    codes = unpack_e2m1(w_packed)
     values = lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn).astype(jnp.float32)
     scale = lax.bitcast_convert_type(scales, jnp.float8_e8m0fnu).astype(jnp.float32)
-    return (values.reshape(N, K // BLOCK, BLOCK) * scale[..., None]).reshape(N, K).astype(dtype)
+    blocks = values.reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK) * scale[..., None]
+    return blocks.reshape(shape).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale_mode",))
+def qdq_mxfp4(x, scale_mode: str = "floor"):
+    """x [..., K] -> dequant(quant(x)) in x's dtype: dynamic MXFP4 activation quantisation, emulated."""
+    return dequantize_mxfp4(*quantize_mxfp4(x, scale_mode), x.dtype)
 
 
 @jax.jit
@@ -97,20 +129,24 @@ def mxfp4_matmul_reference(x, w_packed, scales):
 
 
 def _check_weight_dims(shape, fn):
-    if len(shape) != 2 or shape[1] % BLOCK:
-        raise ValueError(f"{fn}: w must be [N, K] with K a multiple of {BLOCK}, got shape {shape}")
+    if len(shape) < 1 or shape[-1] % BLOCK:
+        raise ValueError(f"{fn}: w must be [..., K] with K a multiple of {BLOCK}, got shape {shape}")
     return shape
 
 
-def _check_packed(w_packed, scales, fn):
-    if w_packed.ndim != 2 or w_packed.dtype != jnp.uint8 or w_packed.shape[1] % (BLOCK // 2):
-        raise ValueError(f"{fn}: w_packed must be uint8 [N, K/2] with K a multiple of {BLOCK}, got "
+def _check_packed(w_packed, scales, fn, ndim: int | None = 2):
+    """Returns the unpacked shape [..., K]; ``ndim`` None accepts any number of leading axes."""
+    lead = "N" if ndim == 2 else ("E, N" if ndim == 3 else "...")
+    if (w_packed.ndim < 1 or (ndim is not None and w_packed.ndim != ndim) or w_packed.dtype != jnp.uint8
+            or w_packed.shape[-1] % (BLOCK // 2)):
+        raise ValueError(f"{fn}: w_packed must be uint8 [{lead}, K/2] with K a multiple of {BLOCK}, got "
                          f"{w_packed.dtype} {w_packed.shape}")
-    N, K = w_packed.shape[0], 2 * w_packed.shape[1]
-    if scales.shape != (N, K // BLOCK) or scales.dtype != jnp.uint8:
-        raise ValueError(f"{fn}: scales must be uint8 [N={N}, K/32={K // BLOCK}] for w_packed "
+    shape = (*w_packed.shape[:-1], 2 * w_packed.shape[-1])
+    want = (*shape[:-1], shape[-1] // BLOCK)
+    if scales.shape != want or scales.dtype != jnp.uint8:
+        raise ValueError(f"{fn}: scales must be uint8 {list(want)} ([{lead}, K/32]) for w_packed "
                          f"{w_packed.shape}, got {scales.dtype} {scales.shape}")
-    return N, K
+    return shape
 
 
 def _check_matmul(x, w_packed, scales, fn="mxfp4_matmul"):
@@ -252,6 +288,99 @@ def mxfp4_matmul(x, w_packed, scales, *, impl=None):
     return mxfp4_matmul_pallas(x, w_packed, scales, interpret=mode == "interpret")
 
 
+def mxfp4_linear(x, w_packed, scales, *, input_scale_mode: str | None = None, impl=None):
+    """``y = x W^T`` for x [..., K] and an MXFP4 weight W [N, K] -> [..., N] in x's dtype.
+
+    ``input_scale_mode`` ("floor"/"even", None = off) first quantises-dequantises x in blocks of 32
+    along K: dynamic MXFP4 activations (Quark's ``input_tensors``) emulated, so the product equals
+    what an FP4 x FP4 matrix core computes from the same operands.
+    """
+    if input_scale_mode is not None:
+        x = qdq_mxfp4(x, input_scale_mode)
+    y = mxfp4_matmul(x.reshape(-1, x.shape[-1]), w_packed, scales, impl=impl)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped (per-expert) MXFP4 matmul: the MoE experts with packed weights.
+# Same tiling as ``moe.grouped_matmul`` (its tile table, one expert per row tile); each program
+# decodes its expert's [block_out, block_in] slab from nibbles + scales as ``_decode`` above.
+
+_GROUPED_BLOCKS = GroupedBlocks()  # the MoE kernel's shipped tiles
+
+
+def _check_grouped(x, w_packed, scales, group_sizes, fn="mxfp4_grouped_matmul"):
+    E, Dout, Din = _check_packed(w_packed, scales, fn, ndim=3)
+    if x.ndim != 2 or x.shape[1] != Din:
+        raise ValueError(f"{fn}: x must be [M, Din={Din}] for w_packed {w_packed.shape}, got shape {x.shape}")
+    if group_sizes.shape != (E,) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"{fn}: group_sizes must be integer [E={E}], got {group_sizes.dtype} {group_sizes.shape}")
+    return E, Dout, Din
+
+
+@jax.jit
+def mxfp4_grouped_matmul_reference(x, w_packed, scales, group_sizes):
+    """x [M, Din] rows sorted by expert, an MXFP4 expert weight w [E, Dout, Din] (w_packed
+    [E, Dout, Din/2], scales [E, Dout, Din/32]), group_sizes [E] -> [M, Dout] in x's dtype; the
+    contract of ``moe.grouped_matmul_reference`` on dequant(w)."""
+    _check_grouped(x, w_packed, scales, group_sizes)
+    return moe.grouped_matmul_reference(x, dequantize_mxfp4(w_packed, scales, x.dtype), group_sizes)
+
+
+def _grouped_mxfp4_kernel(table_ref, x_ref, p_ref, s_ref, o_ref, *, blocks: GroupedBlocks, num_k: int,
+                          dot_dtype, precision):
+    # table_ref: [3, T] int32; x_ref: [M, Din]; p_ref: [E, Dout, Din/2] uint8; s_ref: [E, Dout, Din/32]
+    tm, bo, bk = blocks.block_rows, blocks.block_out, blocks.block_in
+    t, j = pl.program_id(0), pl.program_id(1)
+    expert, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
+
+    def rows_mask(width):
+        return first + lax.broadcasted_iota(jnp.int32, (tm, width), 0) < end
+
+    def step(k, acc):
+        xk = pltriton.load(x_ref.at[pl.ds(first, tm), pl.ds(k * bk, bk)], mask=rows_mask(bk), other=0)
+        packed = p_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // 2), bk // 2)]         # [bo, bk/2]
+        scales = s_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // BLOCK), bk // BLOCK)]  # [bo, bk/32]
+        w = _decode(packed, scales, bo, bk).astype(dot_dtype)
+        return acc + lax.dot_general(xk.astype(dot_dtype), w, (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
+
+    zeros = jnp.zeros((tm, bo), jnp.float32)
+    acc = lax.cond(expert >= 0, lambda: lax.fori_loop(0, num_k, step, zeros), lambda: zeros) * _F16_SHIFT
+    pltriton.store(o_ref.at[pl.ds(first, tm), pl.ds(j * bo, bo)], acc.astype(o_ref.dtype), mask=rows_mask(bo))
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def mxfp4_grouped_matmul_pallas(x, w_packed, scales, group_sizes, *,
+                                blocks: GroupedBlocks = _GROUPED_BLOCKS, interpret=False):
+    """The Pallas kernel; same contract as ``mxfp4_grouped_matmul_reference``."""
+    _, Dout, Din = _check_grouped(x, w_packed, scales, group_sizes)
+    blocks = moe._resolve_blocks(blocks, Dout, Din)
+    if blocks.block_in < BLOCK:
+        raise ValueError(f"mxfp4_grouped_matmul: block_in={blocks.block_in} must be >= {BLOCK} (Din={Din})")
+    M = x.shape[0]
+    table = moe._tile_table(group_sizes, M, blocks.block_rows)                    # [3, T]
+    dot_dtype = jnp.promote_types(x.dtype, jnp.bfloat16)
+    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    kernel = functools.partial(_grouped_mxfp4_kernel, blocks=blocks, num_k=Din // blocks.block_in,
+                               dot_dtype=dot_dtype, precision=precision)
+    return pl.pallas_call(
+        kernel,
+        grid=(table.shape[1], Dout // blocks.block_out),
+        out_shape=jax.ShapeDtypeStruct((M, Dout), x.dtype),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+    )(table, x, w_packed, scales)
+
+
+def mxfp4_grouped_matmul(x, w_packed, scales, group_sizes, *, impl=None):
+    """The MoE expert matmul on MXFP4 expert weights; the contract of ``mxfp4_grouped_matmul_reference``."""
+    mode = dispatch.resolve(impl)
+    if mode == "reference":
+        return mxfp4_grouped_matmul_reference(x, w_packed, scales, group_sizes)
+    return mxfp4_grouped_matmul_pallas(x, w_packed, scales, group_sizes, interpret=mode == "interpret")
+
+
 # ---------------------------------------------------------------------------------------------
 # Shipped configurations, for the compile report and the GPU bench
 
@@ -260,7 +389,8 @@ _PROJECTIONS_27B = (("mlp_gate_up", 17408, 5120), ("mlp_down", 5120, 17408), ("q
 
 
 def report_cases() -> list[KernelCase]:
-    """The 27B projections at M = 1 (decode), 16 (one verify block) and 32; bf16 activations."""
+    """The 27B projections at M = 1 (decode), 16 (one verify block) and 32; the 35B-A3B experts
+    (``moe.report_cases`` shapes) for 1 and 16 tokens; bf16 activations."""
     sds, bf16, u8 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.uint8
     cases = []
     for name, N, K in _PROJECTIONS_27B:
@@ -270,4 +400,16 @@ def report_cases() -> list[KernelCase]:
                 f"mxfp4_matmul/27b/{name}/m{M}", functools.partial(mxfp4_matmul_pallas, blocks=Mxfp4Blocks()),
                 mxfp4_matmul_reference, (sds((M, K), bf16), sds((N, K // 2), u8), sds((N, K // BLOCK), u8)),
                 nbytes))
+    E = moe._E
+    for tokens in (1, 16):
+        M = tokens * moe._TOP_K
+        active = min(M, E)
+        for name, Dout, Din in (("gate_up", 2 * moe._INTER, moe._HIDDEN), ("down", moe._HIDDEN, moe._INTER)):
+            nbytes = active * Dout * (Din // 2 + Din // BLOCK) + M * (Din + Dout) * 2 + E * 4
+            cases.append(KernelCase(
+                f"mxfp4_grouped_matmul/35b_a3b/{name}/t{tokens}",
+                functools.partial(mxfp4_grouped_matmul_pallas, blocks=GroupedBlocks()),
+                mxfp4_grouped_matmul_reference,
+                (sds((M, Din), bf16), sds((E, Dout, Din // 2), u8), sds((E, Dout, Din // BLOCK), u8),
+                 sds((E,), jnp.int32)), nbytes))
     return cases

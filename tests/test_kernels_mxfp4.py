@@ -139,3 +139,75 @@ def test_split_must_divide_k_steps():
 def test_quantize_bad_shape_raises():
     with pytest.raises(ValueError, match="multiple of 32"):
         mxfp4.quantize_mxfp4(jnp.zeros((4, 48)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Grouped (per-expert) MXFP4 matmul and the linear wrapper
+
+
+def _random_experts(E, Dout, Din, seed):
+    packed, scales = _random_mx(E * Dout, Din, seed)
+    return packed.reshape(E, Dout, Din // 2), scales.reshape(E, Dout, Din // 32)
+
+
+@pytest.mark.parametrize("dtype,sizes,M,blocks", [
+    (jnp.float32, (3, 0, 5, 1), 9, mxfp4.moe.GroupedBlocks(block_in=32)),    # 2 Din steps, an idle expert
+    (jnp.bfloat16, (4, 4, 0, 2), 10, mxfp4.moe.GroupedBlocks()),              # block_in clamped to Din
+    (jnp.float32, (2, 1, 1, 0), 6, mxfp4.moe.GroupedBlocks(block_out=16)),    # 2 rows past sum: zeros
+])
+def test_grouped_interpret_matches_reference(dtype, sizes, M, blocks):
+    packed, scales = _random_experts(4, 32, 64, seed=M)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, 64)), dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = mxfp4.mxfp4_grouped_matmul_pallas(x, packed, scales, gs, blocks=blocks, interpret=True)
+    want = mxfp4.mxfp4_grouped_matmul_reference(x, packed, scales, gs)
+    # The reference is the bf16 grouped matmul on the hand-decoded experts.
+    w = np.stack([_hand_dequant(packed[e], scales[e]) for e in range(4)])
+    rows = np.repeat(np.arange(4), sizes)
+    hand = np.zeros((M, 32))
+    hand[:len(rows)] = np.einsum("mk,mnk->mn", np.asarray(x, np.float64)[:len(rows)], w[rows])
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    scale = float(np.abs(hand).max())
+    np.testing.assert_allclose(np.asarray(want, np.float32), hand, rtol=tol, atol=tol * scale)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
+                               atol=tol * scale)
+    assert not np.any(np.asarray(got, np.float32)[sum(sizes):])
+
+
+def test_grouped_bad_shapes_raise():
+    packed, scales = _random_experts(4, 32, 64, seed=0)
+    with pytest.raises(ValueError, match="x must be"):
+        mxfp4.mxfp4_grouped_matmul(jnp.zeros((3, 32)), packed, scales, jnp.zeros(4, jnp.int32), impl="reference")
+    with pytest.raises(ValueError, match="scales must be"):
+        mxfp4.mxfp4_grouped_matmul(jnp.zeros((3, 64)), packed, scales[:, :, :1], jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="group_sizes must be"):
+        mxfp4.mxfp4_grouped_matmul(jnp.zeros((3, 64)), packed, scales, jnp.zeros(3, jnp.int32))
+
+
+def test_linear_flattens_leading_axes_and_quantizes_inputs():
+    packed, scales = _random_mx(32, 64, seed=3)
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 3, 64)), jnp.float32)
+    got = mxfp4.mxfp4_linear(x, packed, scales)
+    assert got.shape == (2, 3, 32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(x) @ _hand_dequant(packed, scales).T, rtol=1e-5,
+                               atol=1e-4)
+    # With dynamic activation quantisation the product is exactly that of the two MXFP4 operands.
+    got = mxfp4.mxfp4_linear(x, packed, scales, input_scale_mode="even")
+    xq = np.asarray(mxfp4.dequantize_mxfp4(*mxfp4.quantize_mxfp4(x, "even")))
+    np.testing.assert_allclose(np.asarray(got), xq @ _hand_dequant(packed, scales).T, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(xq, np.asarray(x))
+
+
+def test_even_scale_mode_rounds_amax_up_from_1_75():
+    """Quark's "even" rule: amax 7 = 1.75 * 4 takes shared exponent 1 (7 / 2 = 3.5 -> 4, i.e. 8) where
+    the OCP floor rule keeps 0 and saturates 7 to 6; amax 6.9 (< 1.75 * 4) is the same in both."""
+    w = np.zeros((2, 32), np.float32)
+    w[0, 0], w[1, 0] = 7.0, 6.9
+    p_floor, s_floor = mxfp4.quantize_mxfp4(jnp.asarray(w), "floor")
+    p_even, s_even = mxfp4.quantize_mxfp4(jnp.asarray(w), "even")
+    assert np.asarray(s_floor).tolist() == [[127], [127]]
+    assert np.asarray(s_even).tolist() == [[128], [127]]
+    assert _hand_dequant(p_floor, s_floor)[:, 0].tolist() == [6.0, 6.0]
+    assert _hand_dequant(p_even, s_even)[:, 0].tolist() == [8.0, 6.0]
+    with pytest.raises(ValueError, match="scale_mode"):
+        mxfp4.quantize_mxfp4(jnp.asarray(w), "ceil")
