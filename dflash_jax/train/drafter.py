@@ -168,14 +168,15 @@ def anchor_batches(seqs: np.ndarray, taps: np.ndarray, prompt_len: int, *, block
 
 
 def train_drafter(target: Target, cfg: DrafterConfig, seqs: np.ndarray, prompt_len: int, tcfg: loop.TrainConfig,
-                  *, anchors: int, batch: int, seed: int = 0, ckpt_dir: str | Path | None = None
-                  ) -> tuple[Drafter, loop.Result]:
+                  *, anchors: int, batch: int, seed: int = 0, ckpt_dir: str | Path | None = None,
+                  log_file: str | Path | None = None) -> tuple[Drafter, loop.Result]:
     """Trains a fresh drafter on target-regenerated sequences [N, L] (the first prompt_len are the prompt)."""
     drafter = init_drafter(cfg, dtype=jnp.float32, seed=seed)
     taps = compute_taps(target, seqs, cfg.target_layer_ids)
     batches = anchor_batches(seqs, taps, prompt_len, block=cfg.block_size, anchors=anchors, batch=batch,
                              seed=seed + 1)
     loss_fn = drafter_loss_fn(drafter.graphdef, target.graphdef, cfg)
-    res = loop.train(loss_fn, drafter.params, target.params, batches, tcfg, ckpt_dir=ckpt_dir, desc="drafter")
+    res = loop.train(loss_fn, drafter.params, target.params, batches, tcfg, ckpt_dir=ckpt_dir, desc="drafter",
+                     log_file=log_file)
     return Drafter(cfg, drafter.graphdef, res.params), res
 

@@ -79,11 +79,11 @@ def lm_loss_fn(graphdef):
 
 
 def train_target(cfg: TargetConfig, batches, tcfg: loop.TrainConfig, *, seed: int = 0,
-                 ckpt_dir: str | Path | None = None) -> tuple[Target, loop.Result]:
+                 ckpt_dir: str | Path | None = None, log_file: str | Path | None = None) -> tuple[Target, loop.Result]:
     """Pretrains a fresh target (no MTP head) with next-token CE; returns it and the loop's result."""
     target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed)
     res = loop.train(lm_loss_fn(target.graphdef), target.params, None, batches, tcfg, ckpt_dir=ckpt_dir,
-                     desc="target")
+                     desc="target", log_file=log_file)
     return Target(cfg, target.graphdef, res.params), res
 
 
@@ -91,6 +91,24 @@ def heldout_loss(target: Target, windows: np.ndarray, batch: int = 8) -> float:
     """Mean next-token CE of the target over fixed windows [N, T]."""
     chunks = [jnp.asarray(windows[i:i + batch]) for i in range(0, len(windows), batch)]
     return loop.evaluate(lm_loss_fn(target.graphdef), target.params, None, chunks)
+
+
+def distinct_ngram_ratio(tokens, n: int = 4) -> float:
+    """Distinct n-grams / n-grams of one token sequence: about 1 for prose or code, near 0 for a loop."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / max(1, len(grams))
+
+
+def continuation_quality(target: Target, prompts: list[list[int]], new_tokens: int = 128, n: int = 4,
+                         loop_below: float = 0.5) -> dict:
+    """Greedy continuations of ``prompts`` (no stop ids) scored by distinct n-gram ratio.
+
+    Returns {"ratios": [...], "loops": how many ratios are below ``loop_below``, "tokens": continuations}.
+    """
+    from dflash_jax.speculative import generate
+    out = np.asarray(generate(target, prompts, block_size=1, max_new_tokens=new_tokens, stop_ids=()).tokens)
+    ratios = [distinct_ngram_ratio(row.tolist(), n) for row in out]
+    return {"ratios": ratios, "loops": sum(r < loop_below for r in ratios), "tokens": out.tolist()}
 
 
 def param_count(params) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 import shutil
 import time
@@ -70,7 +71,7 @@ def _step_fn(loss_fn: Callable, cfg: TrainConfig):
     """The jitted optimizer step; cached so a resumed run in the same process reuses the compiled step."""
     opt = make_optimizer(cfg)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are reused for the new one
     def step_fn(state, frozen, batch):
         (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], frozen, batch)
         updates, opt_state = opt.update(grads, state["opt"], state["params"])
@@ -89,13 +90,15 @@ class Result:
 
 
 def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig, *,
-          ckpt_dir: str | Path | None = None, desc: str = "train") -> Result:
+          ckpt_dir: str | Path | None = None, desc: str = "train", log_file: str | Path | None = None) -> Result:
     """Runs ``cfg.steps`` optimizer steps, resuming from the latest checkpoint in ``ckpt_dir`` if any.
 
     ``batches`` yields numpy pytrees whose leaves have the batch on axis 0; on resume the first
     ``step`` batches are skipped, so a deterministic iterator continues exactly where it stopped.
+    Each log row is also appended to ``log_file`` (JSON lines) when given: progress of a background run.
     """
     opt = make_optimizer(cfg)
+    params = jax.tree.map(jnp.copy, params)  # the step donates its state: keep the caller's arrays alive
     state = {"params": params, "opt": opt.init(params), "step": jnp.zeros((), jnp.int32)}
     ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
     done = _ckpt_steps(ckpt_dir) if ckpt_dir is not None else []
@@ -119,9 +122,12 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
             batch = jax.device_put(batch, sharded)
         state, metrics = step_fn(state, frozen, batch)
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}}
+            row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}, "seconds": round(time.time() - t0, 1)}
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
+            if log_file is not None:
+                with open(log_file, "a") as f:
+                    f.write(json.dumps(row) + "\n")
         if ckpt_dir is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
             checkpoint.save_params(ckpt_dir / f"step_{step + 1}", state)
             for old in _ckpt_steps(ckpt_dir)[:-cfg.keep]:

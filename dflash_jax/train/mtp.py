@@ -52,13 +52,14 @@ def mtp_batches(seqs: np.ndarray, hidden: np.ndarray, *, batch: int, seed: int):
 
 
 def train_mtp(target: Target, seqs: np.ndarray, prompt_len: int, tcfg: loop.TrainConfig, *, batch: int,
-              seed: int = 0, ckpt_dir: str | Path | None = None) -> tuple[Target, loop.Result]:
+              seed: int = 0, ckpt_dir: str | Path | None = None,
+              log_file: str | Path | None = None) -> tuple[Target, loop.Result]:
     """Trains a fresh MTP head for ``target`` (which has none); returns the target with its head."""
     model = Qwen35ForCausalLM(target.cfg, dtype=jnp.float32, mtp=True, rngs=nnx.Rngs(seed))
     graphdef, mtp_params, _ = nnx.split(model, _IS_MTP, ...)
     hidden = compute_taps(target, seqs, (), hidden=True)
     batches = mtp_batches(seqs, hidden, batch=batch, seed=seed + 1)
     res = loop.train(mtp_loss_fn(graphdef, prompt_len), mtp_params, target.params, batches, tcfg,
-                     ckpt_dir=ckpt_dir, desc="mtp")
+                     ckpt_dir=ckpt_dir, desc="mtp", log_file=log_file)
     full = nnx.state(nnx.merge(graphdef, res.params, target.params))
     return Target(target.cfg, nnx.graphdef(model), full), res

@@ -1,10 +1,12 @@
 """Reproduces the models shipped in ``dflash_jax/assets`` from scratch, with fixed seeds.
 
-``python -m dflash_jax.train.ship [--work DIR] [--out dflash_jax/assets] [--tiny]`` runs the stages
+``python -m dflash_jax.train.ship [--work DIR] [--tiny] [--install]`` runs the stages
 tokenizer -> target -> data -> drafter -> mtp -> export -> eval. Each stage leaves its result in the
 work directory and is skipped when that result exists (the training stages also resume from their
-orbax checkpoints), so an interrupted run continues where it stopped. ``--tiny`` runs the whole
-pipeline at toy sizes in a couple of minutes (a smoke test of the pipeline, not a model).
+orbax checkpoints), so an interrupted run continues where it stopped. ``export`` assembles the
+shipped layout in ``DIR/export`` (target with tokenizer and MTP head, drafter, ship_log.json) and
+``eval`` measures it there; only ``--install`` copies it over the package's ``dflash_jax/assets``.
+``--tiny`` runs the whole pipeline at toy sizes in a couple of minutes (a smoke test, not a model).
 """
 
 from __future__ import annotations
@@ -27,31 +29,32 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    vocab: int = 4096
+    vocab: int = 512
     layers: int = 4
-    hidden: int = 256
+    hidden: int = 192
     intermediate: int = 512
     seq: int = 256
     target_batch: int = 8
-    target_steps: int = 120
+    target_steps: int = 1500
     target_lr: float = 3e-3
+    heldout_windows: int = 128  # fixed held-out windows of seq tokens for the NLL
     prompt_len: int = 64  # corpus snippet the target continues
-    data_seqs: int = 256  # target-regenerated sequences of seq tokens
+    data_seqs: int = 768  # target-regenerated sequences of seq tokens
     gen_batch: int = 128
     drafter_layers: int = 2
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 180
+    drafter_steps: int = 500
     drafter_lr: float = 2e-3
-    mtp_batch: int = 8
-    mtp_steps: int = 100
+    mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
+    mtp_steps: int = 500
     mtp_lr: float = 2e-3
-    eval_prompts: int = 16  # HumanEval prompts in the acceptance table
+    eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
 
 TINY = Sizes(vocab=512, layers=4, hidden=64, intermediate=128, seq=64, target_batch=4, target_steps=20,
-             prompt_len=16, data_seqs=16, gen_batch=16, drafter_layers=1, anchors=2, drafter_batch=4,
+             heldout_windows=8, prompt_len=16, data_seqs=16, gen_batch=16, drafter_layers=1, anchors=2, drafter_batch=4,
              drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2)
 
 
@@ -60,7 +63,7 @@ def _stamp(log: dict, name: str, t0: float, **values) -> None:
     print(f"[ship] {name}: {log[name]}", flush=True)
 
 
-def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
+def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = None) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     log_file = work / "ship_log.json"
     log = json.loads(log_file.read_text()) if log_file.exists() else {}
@@ -91,13 +94,18 @@ def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
                               intermediate=sizes.intermediate)
         tcfg = loop.TrainConfig(steps=sizes.target_steps, lr=sizes.target_lr, weight_decay=0.01, ckpt_every=30)
         batches = corpus.windows(train_stream, sizes.seq, sizes.target_batch, seed=1)
-        target, res = lm.train_target(cfg, batches, tcfg, seed=0, ckpt_dir=work / "ckpt_target")
-        held = lm.heldout_loss(target, corpus.eval_windows(held_stream, sizes.seq, 32))
-        train_eval = lm.heldout_loss(target, corpus.eval_windows(train_stream, sizes.seq, 32))
+        target, res = lm.train_target(cfg, batches, tcfg, seed=0, ckpt_dir=work / "ckpt_target",
+                                      log_file=work / "progress_target.jsonl")
+        held = corpus.eval_windows(held_stream, sizes.seq, sizes.heldout_windows)
+        held_nll = lm.heldout_loss(target, held)
+        held_bytes = sum(len(tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in held)
+        train_eval = lm.heldout_loss(target, corpus.eval_windows(train_stream, sizes.seq, sizes.heldout_windows))
         lm.save_target(target_dir, target)
         _stamp(log, "target", t0, params=lm.param_count(target.params), steps=res.step,
                tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(res.seconds, 1),
-               final_train_loss=res.history[-1]["loss"], train_windows_loss=train_eval, heldout_loss=held)
+               tokens_per_second=round(res.step * sizes.target_batch * sizes.seq / max(res.seconds, 1e-9)),
+               final_train_loss=res.history[-1]["loss"], train_windows_loss=train_eval, heldout_loss=held_nll,
+               heldout_nats_per_byte=held_nll * held.shape[0] * (held.shape[1] - 1) / held_bytes)
         save_log()
     if stages == ["tokenizer", "target"]:
         return log
@@ -123,7 +131,8 @@ def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
                                      mask_token_id=mask)
         tcfg = loop.TrainConfig(steps=sizes.drafter_steps, lr=sizes.drafter_lr, ckpt_every=40)
         drafter, res = dtrain.train_drafter(target, dcfg, seqs, prompt_len, tcfg, anchors=sizes.anchors,
-                                            batch=sizes.drafter_batch, seed=0, ckpt_dir=work / "ckpt_drafter")
+                                            batch=sizes.drafter_batch, seed=0, ckpt_dir=work / "ckpt_drafter",
+                                            log_file=work / "progress_drafter.jsonl")
         from dflash_jax.drafter import save_drafter
         save_drafter(drafter_dir, drafter)
         _stamp(log, "drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
@@ -137,26 +146,44 @@ def run(work: Path, out: Path, sizes: Sizes, stages: list[str]) -> dict:
         t0 = time.time()
         tcfg = loop.TrainConfig(steps=sizes.mtp_steps, lr=sizes.mtp_lr, ckpt_every=40)
         with_mtp, res = mtrain.train_mtp(target, seqs, prompt_len, tcfg, batch=sizes.mtp_batch, seed=0,
-                                         ckpt_dir=work / "ckpt_mtp")
+                                         ckpt_dir=work / "ckpt_mtp", log_file=work / "progress_mtp.jsonl")
         lm.save_target(final_dir, with_mtp)
         _stamp(log, "mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
                train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"])
         save_log()
 
+    export = work / "export"
     if "export" in stages:
         for name, src in (("target", final_dir), ("drafter", drafter_dir)):
-            shutil.rmtree(out / name, ignore_errors=True)
-            shutil.copytree(src, out / name)
-        for f in tok_dir.iterdir():
-            shutil.copy(f, out / "target" / f.name)
-        print(f"[ship] exported to {out}", flush=True)
+            shutil.rmtree(export / name, ignore_errors=True)
+            shutil.copytree(src, export / name)
+        tk.save_hf(tok, export / "target")
+        print(f"[ship] exported to {export}", flush=True)
 
     if "eval" in stages:
         from dflash_jax.train import evaluate
         t0 = time.time()
-        table = evaluate.acceptance_table(out, n_prompts=sizes.eval_prompts)
-        _stamp(log, "eval", t0, table=table)
+        table = evaluate.acceptance_table(export, n_prompts=sizes.eval_prompts)
+        source, prompts = evaluate.eval_prompts(tok, sizes.eval_prompts)
+        quality = lm.continuation_quality(load_target(export / "target", jnp.float32, progress=False), prompts)
+        _stamp(log, "eval", t0, table=table, continuations={
+            "prompts": source, "new_tokens": 128, "distinct_4gram_ratios": [round(r, 3) for r in quality["ratios"]],
+            "below_0.5": quality["loops"]})
         save_log()
+        (work / "continuations.txt").write_text("\n\n=====\n\n".join(
+            tok.decode(p, skip_special_tokens=False) + "<<<CONTINUATION>>>" + tok.decode(c, skip_special_tokens=False)
+            for p, c in zip(prompts, quality["tokens"], strict=True)))
+    if export.is_dir():
+        shutil.copy(log_file, export / "ship_log.json")
+
+    if install is not None:
+        for name in ("target", "drafter"):
+            if not (export / name / "model.safetensors").exists():
+                raise FileNotFoundError(f"--install: {export / name} is missing; run the export stage first")
+            shutil.rmtree(install / name, ignore_errors=True)
+            shutil.copytree(export / name, install / name)
+        shutil.copy(log_file, install / "ship_log.json")
+        print(f"[ship] installed {export} into {install}", flush=True)
     return log
 
 
@@ -166,7 +193,8 @@ STAGES = ("tokenizer", "target", "data", "drafter", "mtp", "export", "eval")
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m dflash_jax.train.ship", description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("ship_work"), help="stage outputs and checkpoints")
-    p.add_argument("--out", type=Path, default=ASSETS, help="where the shipped models go")
+    p.add_argument("--install", action="store_true",
+                   help=f"copy the exported models over the package's assets ({ASSETS})")
     p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     args = p.parse_args(argv)
@@ -175,7 +203,7 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown stages {unknown}; expected {list(STAGES)}")
     t0 = time.time()
-    log = run(args.work, args.out, TINY if args.tiny else Sizes(), stages)
+    log = run(args.work, TINY if args.tiny else Sizes(), stages, install=ASSETS if args.install else None)
     print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
 
 
