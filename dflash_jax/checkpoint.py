@@ -42,7 +42,9 @@ DTYPES: dict[str, np.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit; a larger length means a corrupt file
 _PREFIX = ("model.language_model.", "model.")
-_PER_EXPERT = re.compile(r"^(?P<group>.+\.experts)\.(?P<e>\d+)\.(?P<proj>(gate|up|down)_proj)\.weight$")
+# ``.weight_scale``: an MXFP4 expert's e8m0 scales (quant.py), stacked like its packed weight.
+_PER_EXPERT = re.compile(
+    r"^(?P<group>.+\.experts)\.(?P<e>\d+)\.(?P<proj>(gate|up|down)_proj)\.weight(?P<scale>_scale)?$")
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def load_state(
         m = _PER_EXPERT.match(canon)
         if m and canon not in expected:
             group, e, proj = m["group"], int(m["e"]), m["proj"]
-            canon = f"{group}.down_proj" if proj == "down_proj" else f"{group}.gate_up_proj"
+            canon = (f"{group}.down_proj" if proj == "down_proj" else f"{group}.gate_up_proj") + (m["scale"] or "")
             if canon not in expected or e >= expected[canon].shape[0]:
                 problems.append(f"unexpected tensor {key!r} in {entry.file.name}")
                 continue
@@ -221,12 +223,13 @@ def load_state(
                                 f"({got.key!r} in {got.file.name})")
         else:
             # Per-expert pieces: gate/up [I, D] fill halves of [E, 2I, D]; down [D, I] fills [E, D, I].
-            projs = ("down_proj",) if canon.endswith(".down_proj") else ("gate_proj", "up_proj")
+            scale = "_scale" if canon.endswith("_scale") else ""
+            projs = ("down_proj",) if canon.removesuffix(scale).endswith(".down_proj") else ("gate_proj", "up_proj")
             piece = want[1:] if len(projs) == 1 else (want[1] // 2, *want[2:])
             for e in range(want[0]):
                 for proj in projs:
                     if (e, proj) not in got:
-                        problems.append(f"missing tensor '{group_prefix[canon]}.{e}.{proj}.weight' "
+                        problems.append(f"missing tensor '{group_prefix[canon]}.{e}.{proj}.weight{scale}' "
                                         f"with shape {piece} (for {canon!r} {want})")
                     elif got[e, proj].shape != piece:
                         ent = got[e, proj]
