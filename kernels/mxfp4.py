@@ -100,7 +100,10 @@ def quantize_mxfp4(w, scale_mode: str = "floor"):
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp4(w_packed, scales, dtype=jnp.float32):
-    """(w_packed [..., K/2] uint8, scales [..., K/32] uint8) -> w [..., K] in ``dtype``."""
+    """(w_packed [..., K/2] uint8, scales [..., K/32] uint8) -> w [..., K] in ``dtype``.
+
+    Scale byte 0 (2^-127, an f32 subnormal) reads as 0 where XLA flushes subnormals (CPU, GPU).
+    """
     shape = _check_packed(w_packed, scales, "dequantize_mxfp4", ndim=None)
     codes = unpack_e2m1(w_packed)
     values = lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn).astype(jnp.float32)
