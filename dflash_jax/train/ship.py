@@ -35,20 +35,20 @@ class Sizes:
     intermediate: int = 512
     seq: int = 256
     target_batch: int = 8
-    target_steps: int = 1500
+    target_steps: int = 1200
     target_lr: float = 3e-3
     heldout_windows: int = 128  # fixed held-out windows of seq tokens for the NLL
     prompt_len: int = 64  # corpus snippet the target continues
-    data_seqs: int = 768  # target-regenerated sequences of seq tokens
+    data_seqs: int = 512  # target-regenerated sequences of seq tokens
     gen_batch: int = 128
     drafter_layers: int = 2
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 500
+    drafter_steps: int = 400
     drafter_lr: float = 2e-3
     mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 500
+    mtp_steps: int = 400
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
