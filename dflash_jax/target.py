@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, sharding
 from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.layers import MLP, Embedding, GatedAttention, GatedDeltaNet, Linear, RMSNorm, SparseMoeBlock
@@ -242,7 +242,7 @@ CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax d
 
 
 def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None,
-                progress: bool = True) -> Target:
+                progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> Target:
     """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
 
     Args:
@@ -250,12 +250,15 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         converted copy written by ``save_converted`` (restored as saved; ``dtype``/``mtp`` ignored).
       dtype: parameter dtype (the GDN decay parameters stay f32).
       mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
+      mesh: place each tensor straight onto its shards of this mesh (``sharding.PARAMS``); None: one device.
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
     if (path / CONVERTED).is_dir():
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
         graphdef, abstract = nnx.split(_abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"]))
+        if mesh is not None:
+            abstract = sharding.abstract_on(abstract, mesh, cfg)
         return Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
     has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
@@ -267,7 +270,8 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         ignore.append(r"mtp\.")
     if cfg.tie_word_embeddings:
         ignore.append(re.escape("lm_head.weight"))
-    arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
+    place = None if mesh is None else sharding.loader(mesh, cfg)
+    arrays = checkpoint.load_state(path, expected, ignore=ignore, place=place, progress=progress)
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
     return Target(cfg, graphdef, params)
 

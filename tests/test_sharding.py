@@ -1,0 +1,235 @@
+"""Sharded decoding on 8 simulated CPU devices: token-for-token equal to one device, no gathered weights.
+
+The cases run in ONE subprocess (``python tests/test_sharding.py CASES``) started with
+``--xla_force_host_platform_device_count=8``, so the rest of the suite keeps a single device. The
+worker builds tiny dense and MoE targets (random weights; head counts chosen so some axes shard and
+some fall back to replicated), a DFlash drafter and the MTP head, and compares greedy outputs of plain,
+DFlash and MTP decoding on (data x model) meshes with the single-device outputs. It also checks the
+compiled per-step program for all-gathers of whole weights, caches or logits, and that a checkpoint
+loaded onto a mesh equals the one loaded on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+VOCAB = 160  # divisible by 8, and no other dimension of the tiny models has this size
+DENSE = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=32,
+             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+             intermediate_size=64, mtp_num_hidden_layers=1, full_attention_interval=4,
+             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
+MOE = dict(DENSE, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", intermediate_size=0,
+           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # (data, model)
+METHODS = ("plain", "dflash", "mtp")
+PROMPT_LENS = (5, 12, 1, 9, 3, 16, 7, 2)  # 8 rows: every data-parallel size divides them
+MAX_NEW = 12
+TIMEOUT = 900
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def _setup(kind: str):
+    """(target with an MTP head, drafter, prompts, lengths): deterministic, f32."""
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.drafter import DrafterConfig, init_drafter
+    from dflash_jax.speculative import pad_prompts
+    from dflash_jax.target import init_target
+
+    target = init_target(TargetConfig.from_hf(DENSE if kind == "dense" else MOE), dtype=jnp.float32, mtp=True)
+    # Spread the logits (random init leaves them ~0.1 apart): greedy choices then never hinge on
+    # rounding differences between a sharded and an unsharded reduction.
+    flat = [(p, v.replace(v.get_value() * 30)) if p == ("lm_head", "weight") else (p, v)
+            for p, v in nnx.to_flat_state(target.params)]
+    target = dataclasses.replace(target, params=nnx.from_flat_state(flat))
+    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=16, intermediate_size=64, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1,
+                        target_layer_ids=(0, 2), num_target_layers=4, rope_theta=10000.0)
+    drafter = init_drafter(cfg, dtype=jnp.float32, seed=1)
+    rng = np.random.default_rng(0)
+    tokens, lengths = pad_prompts([rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS], 16)
+    return target, drafter, tokens, lengths
+
+
+def _method(method: str, target, drafter):
+    """(proposer, proposer params, block size)."""
+    from dflash_jax.mtp import MTPProposer, mtp_params
+    from dflash_jax.proposers import DFlashProposer, NoProposer
+
+    if method == "plain":
+        return NoProposer(), (), 1
+    if method == "dflash":
+        return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params, 4
+    return MTPProposer(target.cfg, 3), mtp_params(target), 4
+
+
+def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
+    import jax
+    import numpy as np
+
+    from dflash_jax import sharding
+    from dflash_jax.speculative import SpecConfig, SpeculativeLoop
+
+    target, drafter, tokens, lengths = models[kind]
+    proposer, pparams, block = _method(method, target, drafter)
+    spec = SpecConfig(block_size=block, max_new_tokens=MAX_NEW, stop_ids=())
+    if (kind, method) not in refs:
+        loop = SpeculativeLoop.of(target, proposer, spec)
+        refs[kind, method] = np.asarray(loop.run((target.params, pparams), tokens, lengths, 0).tokens)
+    mesh = sharding.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
+    loop = SpeculativeLoop.of(target, proposer, spec)
+    params = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
+    rows = sharding.shard_rows(mesh, tokens, lengths)
+    got = np.asarray(loop.run(params, *rows, 0).tokens)
+    out = {"equal": bool((got == refs[kind, method]).all()), "got": got.tolist(),
+           "want": refs[kind, method].tolist()}
+    if hlo:
+        state = loop.init(params, *rows, 0)
+        text = SpeculativeLoop.step.lower(loop, params, state).compile().as_text()
+        out["violations"] = gathered_whole(text, params, state)
+        out["collectives"] = len(sharding.collectives(text))
+        del state
+    jax.clear_caches()
+    return out
+
+
+def gathered_whole(hlo: str, params, state) -> list[str]:
+    """All-gathers in ``hlo`` whose result is a whole sharded weight, a whole sharded cache or logits."""
+    import jax
+
+    from dflash_jax import sharding
+
+    whole = {tuple(x.shape) for x in jax.tree.leaves((params, state))
+             if hasattr(x, "sharding") and not x.sharding.is_fully_replicated}
+    bad = []
+    for c in sharding.collectives(hlo):
+        if c["op"] == "all-gather" and any(s in whole or VOCAB in s for s in c["shapes"]):
+            bad.append(f"{c['shapes']} {c['name']}")
+    return bad
+
+
+def _load(kind, mesh_shape, tmp: Path):
+    """Writes an HF-layout checkpoint of the tiny target and loads it on one device and on a mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from dflash_jax import checkpoint, sharding
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.target import init_target, load_target
+
+    path = tmp / f"{kind}_ckpt"
+    path.mkdir(parents=True, exist_ok=True)
+    raw = DENSE if kind == "dense" else MOE
+    (path / "config.json").write_text(json.dumps(raw))
+    src = init_target(TargetConfig.from_hf(raw), dtype=jnp.float32, mtp=True, seed=3)
+    checkpoint.write_safetensors(path / "model.safetensors", {
+        ".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(src.params)})
+    mesh = sharding.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
+    one = load_target(path, dtype=jnp.float32, progress=False)
+    many = load_target(path, dtype=jnp.float32, progress=False, mesh=mesh)
+    want = sharding.param_shardings(many.params, sharding.Layout.of(many.cfg, mesh))
+    problems = []
+    for (p, a), b, s in zip(nnx.to_flat_state(one.params), jax.tree.leaves(many.params),
+                            jax.tree.leaves(want), strict=True):
+        key = ".".join(map(str, p))
+        if not np.array_equal(np.asarray(a.get_value()), np.asarray(b)):
+            problems.append(f"{key}: values differ")
+        if not b.sharding.is_equivalent_to(s, b.ndim):
+            problems.append(f"{key}: sharding {b.sharding.spec}, expected {s.spec}")
+        shard = s.shard_shape(b.shape)
+        if any(x.data.shape != shard for x in b.addressable_shards):
+            problems.append(f"{key}: a device holds more than its shard {shard}")
+    sharded = sum(not s.is_fully_replicated for s in jax.tree.leaves(want))
+    return {"problems": problems, "sharded_leaves": sharded}
+
+
+def worker(cases: list[list], tmp: str) -> dict:
+    import jax
+
+    assert jax.device_count() == 8, jax.devices()
+    models, refs, results = {}, {}, {}
+    for case in cases:
+        name = "/".join(map(str, case))
+        what, kind = case[0], case[1]
+        if kind not in models:
+            models[kind] = _setup(kind)
+        if what == "load":
+            results[name] = _load(kind, tuple(case[2]), Path(tmp))
+        else:
+            results[name] = _generate(kind, case[2], tuple(case[3]), models, refs, hlo=what == "hlo")
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def run_worker(cases, tmp_path) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run([sys.executable, __file__, json.dumps(cases), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _case_name(case) -> str:
+    return "/".join(map(str, case))
+
+
+FAST = [["hlo", "dense", "dflash", [2, 4]], ["load", "moe", [2, 4]]]
+FULL = ([["gen", kind, method, list(mesh)] for kind in ("dense", "moe") for method in METHODS for mesh in MESHES]
+        + [["hlo", kind, method, [1, 8]] for kind in ("dense", "moe") for method in ("plain", "mtp")]
+        + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8), (4, 2))])
+
+
+def _check(case, result):
+    if case[0] == "load":
+        assert not result["problems"], result["problems"]
+        assert result["sharded_leaves"] > 0
+        return
+    assert result["equal"], f"{_case_name(case)}: sharded {result['got']} != single-device {result['want']}"
+    if case[0] == "hlo":
+        assert not result["violations"], result["violations"]
+        assert result["collectives"] > 0  # the program is partitioned, not replicated
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    return run_worker(FAST, tmp_path_factory.mktemp("sharding"))
+
+
+@pytest.mark.parametrize("case", FAST, ids=_case_name)
+def test_sharded_fast(fast, case):
+    _check(case, fast[_case_name(case)])
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    return run_worker(FULL, tmp_path_factory.mktemp("sharding_full"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FULL, ids=_case_name)
+def test_sharded_full(full, case):
+    _check(case, full[_case_name(case)])
+
+
+if __name__ == "__main__":
+    print(json.dumps(worker(json.loads(sys.argv[1]), sys.argv[2])))
