@@ -34,6 +34,7 @@ class GDNPending:
     v: jax.Array  # [B, T, Hv, Dv]
     g: jax.Array  # [B, T, Hv] f32
     beta: jax.Array  # [B, T, Hv] f32
+    kernels: str = dataclasses.field(metadata=dict(static=True))  # the verify's kernel mode, for the replay
 
 
 @jax.tree_util.register_dataclass

@@ -23,7 +23,8 @@ from flax import nnx
 
 from dflash_jax import checkpoint, kernels
 from dflash_jax.config import ConfigError, TargetConfig, parsing, read_config_json
-from dflash_jax.layers import MLP, Linear, RMSNorm, rope, write_rows
+from dflash_jax.kernels import dispatch
+from dflash_jax.layers import MLP, Linear, RMSNorm, rope, with_kernels, write_rows
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -175,9 +176,10 @@ class DrafterConfig:
 class DrafterAttention(nnx.Module):
     """Qwen3 attention (q/k norms, full-head NeoX RoPE, GQA) whose cache is fed by the target."""
 
-    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
+        self.kernels = kernels
         self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
@@ -195,22 +197,27 @@ class DrafterAttention(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        self.self_attn = DrafterAttention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
 
 class DFlashDrafter(nnx.Module):
-    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head)."""
+    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head).
 
-    def __init__(self, cfg: DrafterConfig, *, dtype, rngs: nnx.Rngs):
+    ``kernels`` is the attention kernel mode (None: ``kernels.default_mode()``), a static attribute.
+    """
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
+        self.kernels = kernels = dispatch.resolve(kernels)
         self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+                                for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 
 
@@ -282,7 +289,8 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
         # The block sits right behind the committed context, so one kernel call covers [context ; block].
         kc = write_rows(kc, k.astype(kc.dtype), start)
         vc = write_rows(vc, v.astype(vc.dtype), start)
-        o = kernels.attention(q, kc, vc, start, start + Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i))
+        o = kernels.attention(q, kc, vc, start, start + Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i),
+                              impl=attn.kernels)
         x = x + attn.o_proj(o.reshape(B, Bk, N * H))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
         ks.append(kc)
@@ -298,13 +306,22 @@ class Drafter:
     graphdef: nnx.GraphDef
     params: nnx.State
 
+    @property
+    def kernels(self) -> str:
+        """The kernel mode the graph was built with (static: part of every jit cache key)."""
+        return self.module().kernels
+
+    def with_kernels(self, mode: str) -> Drafter:
+        """The same drafter (same parameter arrays) attending in kernel mode ``mode``."""
+        return dataclasses.replace(self, graphdef=nnx.graphdef(with_kernels(self.module(), mode)))
+
     def module(self) -> DFlashDrafter:
         return nnx.merge(self.graphdef, self.params)
 
 
-def init_drafter(cfg: DrafterConfig, *, dtype=jnp.float32, seed: int = 0) -> Drafter:
-    """A drafter with freshly initialised weights (tests, training init)."""
-    graphdef, params = nnx.split(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)))
+def init_drafter(cfg: DrafterConfig, *, dtype=jnp.float32, seed: int = 0, kernels: str | None = None) -> Drafter:
+    """A drafter with freshly initialised weights (tests, training init); ``kernels`` as in ``DFlashDrafter``."""
+    graphdef, params = nnx.split(DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(seed)))
     return Drafter(cfg, graphdef, params)
 
 
@@ -332,19 +349,23 @@ def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
         raise ConfigError("drafter does not fit the target:\n  " + "\n  ".join(problems))
 
 
-def load_drafter(path: str | Path, target, *, dtype=None, progress: bool = True) -> Drafter:
+def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = None,
+                 progress: bool = True) -> Drafter:
     """Loads a z-lab drafter directory (config.json + model.safetensors) for ``target``.
 
     Args:
       path: the drafter directory.
       target: a ``dflash_jax.target.Target``; its config is checked against the drafter's.
       dtype: parameter dtype; None uses the target's.
+      kernels: kernel mode; None uses the target's.
     """
     path = Path(path)
     cfg = DrafterConfig.from_pretrained(path)
     check_fits(cfg, target.cfg)
     dtype = target.dtype if dtype is None else dtype
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    kernels = target.kernels if kernels is None else kernels
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0))))
     flat = nnx.to_flat_state(abstract)
     expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
     # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.

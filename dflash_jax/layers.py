@@ -4,6 +4,10 @@ Sits between the kernels (``dflash_jax.kernels``, which own the hot loops) and t
 (``target.py``, ``drafter.py``). Attribute names mirror the Hugging Face checkpoint keys and weights
 keep the checkpoint's orientation (a Linear weight is [out, in]), so a parameter's path is its key.
 Numerics follow transformers: norms and gates in f32, the gated delta rule in f32, softmax in f32.
+
+The layers that call a kernel hold its mode (``kernels``: "reference", "pallas" or "interpret") as a
+plain attribute, which NNX keeps in the static graph: it is part of every jit cache key that the
+graph is, and ``with_kernels`` gives a model the same weights under another mode.
 """
 
 from __future__ import annotations
@@ -122,8 +126,9 @@ class Experts(nnx.Module):
 class SparseMoeBlock(nnx.Module):
     """Qwen3.5 MoE: softmax over all experts (f32), top-k, renormalise; plus a sigmoid-gated shared expert."""
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
+        self.kernels = kernels
         self.top_k = cfg.num_experts_per_tok
         self.gate = Linear(D, cfg.num_experts, dtype=dtype, rngs=rngs)
         self.experts = Experts(cfg.num_experts, D, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
@@ -142,10 +147,10 @@ class SparseMoeBlock(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         token = order // self.top_k
         sizes = jnp.bincount(flat, length=self.gate.weight.shape[0]).astype(jnp.int32)
-        h = kernels.grouped_matmul(x[token], self.experts.gate_up_proj[...], sizes)  # [M*k, 2I]
+        h = kernels.grouped_matmul(x[token], self.experts.gate_up_proj[...], sizes, impl=self.kernels)  # [M*k, 2I]
         I = h.shape[-1] // 2
         h = jax.nn.silu(h[:, :I]) * h[:, I:]
-        y = kernels.grouped_matmul(h, self.experts.down_proj[...], sizes)  # [M*k, D]
+        y = kernels.grouped_matmul(h, self.experts.down_proj[...], sizes, impl=self.kernels)  # [M*k, D]
         y = y * weights.reshape(-1)[order][:, None]
         routed = jnp.zeros_like(x).at[token].add(y)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -155,9 +160,10 @@ class SparseMoeBlock(nnx.Module):
 class GatedAttention(nnx.Module):
     """Qwen3.5 full attention: per-head interleaved query/gate, q/k norms, partial RoPE, GQA, sigmoid gate."""
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
+        self.kernels = kernels
         self.q_proj = Linear(D, N * H * 2, dtype=dtype, rngs=rngs)
         self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
         self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
@@ -185,7 +191,7 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, K, H)
         k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
         v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)
-        o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=True)
+        o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=True, impl=self.kernels)
         o = o.reshape(B, T, N * H) * jax.nn.sigmoid(gate)
         return self.o_proj(o), k_cache, v_cache
 
@@ -206,9 +212,10 @@ class GatedDeltaNet(nnx.Module):
     the conv window (the invariant is stated in ``target.py``).
     """
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads
         self.cfg = cfg
+        self.kernels = kernels
         self.in_proj_qkv = Linear(D, C, dtype=dtype, rngs=rngs)
         self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, rngs=rngs)
         self.in_proj_b = Linear(D, Hv, dtype=dtype, rngs=rngs)
@@ -268,7 +275,7 @@ class GatedDeltaNet(nnx.Module):
         g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)  # padding leaves the state as is
         state0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                             cfg.linear_value_head_dim), jnp.float32)
-        o, state = kernels.gdn_chunked(q, k, v, g, beta, state0)
+        o, state = kernels.gdn_chunked(q, k, v, g, beta, state0, impl=self.kernels)
         return self._output(o, z, x.dtype), GDNCache(conv=slide_window(window, mixed, lengths), state=state)
 
     def verify(self, x, cache: GDNCache) -> tuple[jax.Array, GDNCache]:
@@ -277,18 +284,19 @@ class GatedDeltaNet(nnx.Module):
         Returns ([B, T, D], the same conv window and state with the update inputs pending).
         """
         q, k, v, g, beta, z, mixed = self._prepare(x, cache.conv)
-        o = kernels.gdn_verify(q, k, v, g, beta, cache.state)
-        pending = GDNPending(mixed=mixed, k=k, v=v, g=g, beta=beta)
+        o = kernels.gdn_verify(q, k, v, g, beta, cache.state, impl=self.kernels)
+        pending = GDNPending(mixed=mixed, k=k, v=v, g=g, beta=beta, kernels=self.kernels)
         return self._output(o, z, x.dtype), GDNCache(conv=cache.conv, state=cache.state, pending=pending)
 
     @staticmethod
     def commit(cache: GDNCache, n: jax.Array) -> GDNCache:
         """Keeps the first n[b] ([B] int32 in 0..T) pending tokens: replays their updates on the state
-        (read once, written once) and slides the conv window past them."""
+        (read once, written once) and slides the conv window past them. The replay runs in the kernel
+        mode the verify ran in, which the pending record carries (statically)."""
         p = cache.pending
         if p is None:
             raise ValueError("commit: a Gated DeltaNet cache has no pending verify inputs (call verify first)")
-        state = kernels.gdn_replay(p.k, p.v, p.g, p.beta, cache.state, n)
+        state = kernels.gdn_replay(p.k, p.v, p.g, p.beta, cache.state, n, impl=p.kernels)
         return GDNCache(conv=slide_window(cache.conv, p.mixed, n), state=state)
 
 
@@ -300,3 +308,13 @@ def slide_window(window: jax.Array, mixed: jax.Array, n: jax.Array) -> jax.Array
     """
     full = jnp.concatenate([window, mixed.astype(window.dtype)], axis=1)  # [B, K-1+T, C]
     return jax.vmap(lambda f, s: jax.lax.dynamic_slice_in_dim(f, s, window.shape[1], axis=0))(full, n)
+
+
+def with_kernels(model: nnx.Module, mode: str) -> nnx.Module:
+    """A copy of ``model`` (same weight arrays) whose kernel-calling layers all run in ``mode``."""
+    mode = kernels.dispatch.check(mode, "with_kernels")
+    model = nnx.merge(*nnx.split(model))
+    for _, m in nnx.iter_modules(model):
+        if hasattr(m, "kernels"):
+            m.kernels = mode
+    return model

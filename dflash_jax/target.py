@@ -33,20 +33,30 @@ from flax import nnx
 from dflash_jax import checkpoint, sharding
 from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
-from dflash_jax.layers import MLP, Embedding, GatedAttention, GatedDeltaNet, Linear, RMSNorm, SparseMoeBlock
+from dflash_jax.kernels import dispatch as kernel_modes
+from dflash_jax.layers import (
+    MLP,
+    Embedding,
+    GatedAttention,
+    GatedDeltaNet,
+    Linear,
+    RMSNorm,
+    SparseMoeBlock,
+    with_kernels,
+)
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         if kind == "full_attention":
-            self.self_attn = GatedAttention(cfg, dtype=dtype, rngs=rngs)
+            self.self_attn = GatedAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, rngs=rngs)
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         if cfg.is_moe:
-            self.mlp = SparseMoeBlock(cfg, dtype=dtype, rngs=rngs)
+            self.mlp = SparseMoeBlock(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         else:
             self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
@@ -71,32 +81,37 @@ class DecoderLayer(nnx.Module):
 
 
 class TextModel(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, rngs=rngs) for t in cfg.layer_types])
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, kernels=kernels, rngs=rngs)
+                                for t in cfg.layer_types])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
 
 class MTP(nnx.Module):
     """Qwen3.5's multi-token-prediction head (``mtp.*``): fc([norm(embed), norm(hidden)]) -> one layer."""
 
-    def __init__(self, cfg: TargetConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
         self.fc = Linear(2 * D, D, dtype=dtype, rngs=rngs)
         self.pre_fc_norm_embedding = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.pre_fc_norm_hidden = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype=dtype, kernels=kernels, rngs=rngs)
                                 for _ in range(cfg.mtp_num_hidden_layers)])
         self.norm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
 
 class Qwen35ForCausalLM(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, rngs: nnx.Rngs):
+    """The whole target; ``kernels`` is the kernel mode of every layer (None: ``kernels.default_mode()``)."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, kernels: str | None = None,
+                 rngs: nnx.Rngs):
         self.cfg = cfg
-        self.model = TextModel(cfg, dtype=dtype, rngs=rngs)
+        self.kernels = kernels = kernel_modes.resolve(kernels)
+        self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
-        self.mtp = MTP(cfg, dtype=dtype, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
+        self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
 
     def logits(self, h: jax.Array) -> jax.Array:
         """LM head on final-normed hidden states [..., D] -> [..., V]."""
@@ -213,6 +228,15 @@ class Target:
     def dtype(self):
         return self.params["model"]["embed_tokens"]["weight"].get_value().dtype
 
+    @property
+    def kernels(self) -> str:
+        """The kernel mode the graph was built with (static: part of every jit cache key)."""
+        return self.module().kernels
+
+    def with_kernels(self, mode: str) -> Target:
+        """The same target (same parameter arrays) running its layers in kernel mode ``mode``."""
+        return dataclasses.replace(self, graphdef=nnx.graphdef(with_kernels(self.module(), mode)))
+
     def module(self) -> Qwen35ForCausalLM:
         return nnx.merge(self.graphdef, self.params)
 
@@ -228,20 +252,22 @@ class Target:
         return commit(cache, jnp.asarray(n, jnp.int32))
 
 
-def _abstract_model(cfg: TargetConfig, dtype, mtp: bool):
-    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=nnx.Rngs(0)))
+def _abstract_model(cfg: TargetConfig, dtype, mtp: bool, kernels: str | None):
+    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=nnx.Rngs(0)))
 
 
-def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed: int = 0) -> Target:
-    """A target with freshly initialised weights (tests, pretraining)."""
-    graphdef, params = nnx.split(Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=nnx.Rngs(seed)))
+def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed: int = 0,
+                kernels: str | None = None) -> Target:
+    """A target with freshly initialised weights (tests, pretraining); ``kernels`` as in ``load_target``."""
+    graphdef, params = nnx.split(Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels,
+                                                   rngs=nnx.Rngs(seed)))
     return Target(cfg, graphdef, params)
 
 
 CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax directory
 
 
-def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None,
+def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None, kernels: str | None = None,
                 progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> Target:
     """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
 
@@ -250,19 +276,21 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         converted copy written by ``save_converted`` (restored as saved; ``dtype``/``mtp`` ignored).
       dtype: parameter dtype (the GDN decay parameters stay f32).
       mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
+      kernels: kernel mode ("reference", "pallas", "interpret"); None: ``kernels.default_mode()``
+        (``DFLASH_KERNELS``, else pallas on a GPU). ``Target.with_kernels`` changes it later.
       mesh: place each tensor straight onto its shards of this mesh (``sharding.PARAMS``); None: one device.
     """
     path = Path(path)
     cfg = TargetConfig.from_pretrained(path)
     if (path / CONVERTED).is_dir():
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
-        graphdef, abstract = nnx.split(_abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"]))
+        graphdef, abstract = nnx.split(_abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels))
         if mesh is not None:
             abstract = sharding.abstract_on(abstract, mesh, cfg)
         return Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
     has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
-    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, use_mtp))
+    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, use_mtp, kernels))
     flat = nnx.to_flat_state(abstract)
     expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
     ignore = [r"model\.visual\.", r"model\.language_model\.visual\.", r"visual\."]

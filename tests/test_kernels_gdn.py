@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.kernels import dispatch, gdn
+from dflash_jax.kernels import gdn
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 RTOL = 1e-5  # all kernel math is f32; bf16 inputs are upcast identically by kernel and reference
@@ -71,9 +71,8 @@ def test_replay_matches_reference_with_ragged_n(T, Hk, Hv, Dv, block_v, dtype):
 def test_dispatch_interpret_runs_the_kernels():
     """(gdn_replay dispatch is exercised by test_replay_commit_is_bit_exact.)"""
     q, k, v, g, beta, state = make_inputs(1, 3, 1, 2, 16, 16, F32)
-    with dispatch.use("interpret"):
-        o = gdn.gdn_verify(q, k, v, g, beta, state)
-        oc, sc = gdn.gdn_chunked(q, k, v, g, beta, state)
+    o = gdn.gdn_verify(q, k, v, g, beta, state, impl="interpret")
+    oc, sc = gdn.gdn_chunked(q, k, v, g, beta, state, impl="interpret")
     assert_close(o, verify_reference(q, k, v, g, beta, state))
     ref_o, ref_s = chunked_reference(q, k, v, g, beta, state)
     assert_close(oc, ref_o)

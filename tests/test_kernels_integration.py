@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from dflash_jax import drafter as dr
-from dflash_jax import kernels
 from dflash_jax.target import Target, load_target
 
 
@@ -29,9 +31,9 @@ def test_target_with_kernels_equals_reference(kind, request):
     _, path = request.getfixturevalue(f"hf_{kind}")
     tg = load_target(path, dtype=jnp.float32, progress=False)
     tokens = np.random.default_rng(0).integers(0, tg.cfg.vocab_size, (2, 36)).astype(np.int32)
+    assert tg.kernels == "reference"
     ref = _target_steps(tg, tokens)
-    with kernels.use("interpret"):
-        got = _target_steps(tg, tokens)
+    got = _target_steps(tg.with_kernels("interpret"), tokens)
     _close(got, ref)
 
 
@@ -46,13 +48,33 @@ def test_drafter_with_kernels_equals_reference(layer_types):
     taps = jnp.asarray(rng.normal(size=(2, 12, 64)), jnp.float32)
     block = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
 
-    def run():
+    def run(drafter):
         model = drafter.module()
         cache = dr.advance(dr.write_context(model, dr.init_draft_cache(cfg, 2, 32, jnp.float32), taps),
                            jnp.array([12, 7]))
         return dr.draft_block(model, cache, block)
 
-    ref = run()
-    with kernels.use("interpret"):
-        got = run()
+    ref = run(drafter)
+    got = run(drafter.with_kernels("interpret"))
     _close(got, ref)
+
+
+def test_kernel_mode_is_static_graph_state(hf_dense):
+    """The mode lives in the graphdef: equal modes share a jit cache entry, another mode retraces."""
+    _, path = hf_dense
+    tg = load_target(path, dtype=jnp.float32, progress=False)
+    traces = []
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def embed(graphdef, params, tokens):
+        traces.append(nnx.merge(graphdef, params).kernels)
+        return nnx.merge(graphdef, params).model.embed_tokens(tokens)
+
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    for t in (tg, tg.with_kernels("reference"), tg.with_kernels("interpret"), tg.with_kernels("interpret")):
+        embed(t.graphdef, t.params, tokens)
+    assert traces == ["reference", "interpret"]
+    modes = {m.kernels for _, m in nnx.iter_modules(tg.with_kernels("interpret").module()) if hasattr(m, "kernels")}
+    assert modes == {"interpret"}
+    with pytest.raises(ValueError, match="unknown kernel mode 'cuda'"):
+        tg.with_kernels("cuda")
