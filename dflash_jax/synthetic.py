@@ -77,33 +77,37 @@ def _on_device(build, seed: int):
     return graphdef, params
 
 
-def random_target(config, *, dtype=jnp.bfloat16, mtp: bool = False, seed: int = 0) -> Target:
+def random_target(config, *, dtype=jnp.bfloat16, mtp: bool = False, seed: int = 0,
+                  kernels: str | None = None) -> Target:
     """A target of ``config``'s shape with random weights (N(0, 0.02^2) matrices, neutral norms), made on
-    the default device. ``config``: a TargetConfig, a raw config.json dict, or a path."""
+    the default device. ``config``: a TargetConfig, a raw config.json dict, or a path; ``kernels``: the
+    kernel mode (None: ``kernels.default_mode()``)."""
     cfg = target_config(config)
-    graphdef, params = _on_device(lambda rngs: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=rngs), seed)
+    graphdef, params = _on_device(
+        lambda rngs: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=rngs), seed)
     return Target(cfg, graphdef, params)
 
 
-def random_drafter(config, target: Target, *, dtype=None, seed: int = 1) -> Drafter:
+def random_drafter(config, target: Target, *, dtype=None, seed: int = 1, kernels: str | None = None) -> Drafter:
     """A DFlash drafter of ``config``'s shape with random weights for ``target`` (dtype: the target's)."""
     cfg = drafter_config(config)
     check_fits(cfg, target.cfg)
     dtype = target.dtype if dtype is None else dtype
-    graphdef, params = _on_device(lambda rngs: DFlashDrafter(cfg, dtype=dtype, rngs=rngs), seed)
+    graphdef, params = _on_device(lambda rngs: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=rngs), seed)
     return Drafter(cfg, graphdef, params)
 
 
-def abstract_target(config, *, dtype=jnp.bfloat16, mtp: bool = False) -> Target:
+def abstract_target(config, *, dtype=jnp.bfloat16, mtp: bool = False, kernels: str | None = None) -> Target:
     """A target whose params are ``jax.ShapeDtypeStruct`` leaves (nothing allocated), for lowering."""
     cfg = target_config(config)
     graphdef, params = nnx.split(nnx.eval_shape(
-        lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, rngs=nnx.Rngs(0))))
+        lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=nnx.Rngs(0))))
     return Target(cfg, graphdef, params)
 
 
-def abstract_drafter(config, *, dtype=jnp.bfloat16) -> Drafter:
+def abstract_drafter(config, *, dtype=jnp.bfloat16, kernels: str | None = None) -> Drafter:
     """A drafter with ``jax.ShapeDtypeStruct`` params, for lowering."""
     cfg = drafter_config(config)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(0))))
+    graphdef, params = nnx.split(nnx.eval_shape(
+        lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0))))
     return Drafter(cfg, graphdef, params)
