@@ -1,25 +1,34 @@
 """``dflash-jax bench``: the report's comparison (tau, tokens/s, speed-up over plain decoding) from one command.
 
 Top of the data flow beside ``cli.py``: it loads a target (and a DFlash drafter and/or the target's
-MTP head), turns a workload into token prompts in the format of z-lab's benchmark client, and times
-``generate``'s on-device loop (``_Loop`` init, then its steps in one ``lax.while_loop``) under ``jax.jit``,
-prefill apart from decoding, for every method on the same prompts, interleaved batch by
-batch so machine drift hits all methods alike. Compilation and a first run are the warm-up, timed
-apart. A host-driven copy of one loop step (propose / verify / accept+commit, each jitted alone and
-synchronised) splits the time per step into draft, verify and commit. ``--simulate-acceptance``
-replaces the drafts by the plain-decoding output with an error at fixed offsets (``OracleProposer``),
-while the real proposer still runs, so tau is fixed and only kernel and loop cost differ.
+MTP head) through ``runtime.py``, turns a workload into token prompts in the format of z-lab's
+benchmark client, and times the loop's own compiled phases, ``SpeculativeLoop.init`` (prefill) and
+``SpeculativeLoop.decode`` (every step in one ``lax.while_loop``), for every method on the same prompts.
 
-Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number) and PNG plots.
+How the figures are made honest (``measure``): the first call of each method (compile + one run) is
+timed apart; every timed run is preceded by an untimed run of the same method, so each method is
+measured warm, as it runs back to back, however the methods are interleaved; the clock starts
+only after the previous work is waited on; methods alternate order from batch to batch and repeat
+to repeat, so machine drift hits all alike; each figure is the median over ``--repeats`` whole
+passes, with the spread. The per-step split into draft / verify / commit times the loop's public
+phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the loop's
+own ``step`` produces. ``--simulate-acceptance`` replaces the drafts by the plain-decoding output
+with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so tau is
+fixed and only kernel and loop cost differ. Beside each speed-up, the ceiling this machine allows
+at the measured tau (``roofline.measured_ceiling``).
+
+Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number), then PNG plots.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from importlib import metadata
@@ -29,9 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
+from dflash_jax import roofline, runtime
+from dflash_jax.proposers import OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import RUNNING, SpecConfig, _Loop, bucket_for, pad_prompts
+from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
 
 WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -49,35 +59,15 @@ class DatasetMissing(ValueError):
     """A workload's prompts cannot be found; the message says how to provide them."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B)."""
-
-    kind: str
-    block: int
-
-    @property
-    def name(self) -> str:
-        return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": f"dflash:{self.block}"}[self.kind]
-
-
-def parse_methods(text: str) -> list[Method]:
+def parse_methods(text: str) -> list[runtime.Method]:
     """'ar,mtp:3,dflash:16' -> [Method]; ``ar`` is always measured (first), since speed-ups are relative to it."""
-    methods = [Method("ar", 1)]
-    for item in (s.strip() for s in text.split(",")):
-        kind, _, arg = item.partition(":")
-        if item == "ar":
+    methods = [runtime.AR]
+    for item in text.split(","):
+        method = runtime.parse_method(item, "--methods")
+        if method == runtime.AR:
             continue
-        if kind not in ("mtp", "dflash") or not arg.isdigit():
-            raise ValueError(f"--methods: cannot parse {item!r}; expected ar, mtp:K (K in 1..15) or dflash:B (B >= 2)")
-        n = int(arg)
-        if kind == "mtp" and not 1 <= n <= 15:
-            raise ValueError(f"--methods: {item!r}: MTP steps K must be in 1..15")
-        if kind == "dflash" and n < 2:
-            raise ValueError(f"--methods: {item!r}: DFlash block B must be >= 2 (block 1 is ar)")
-        method = Method(kind, n + 1 if kind == "mtp" else n)
         if method in methods:
-            raise ValueError(f"--methods: {item!r} is listed twice")
+            raise ValueError(f"--methods: {item.strip()!r} is listed twice")
         methods.append(method)
     return methods
 
@@ -96,13 +86,14 @@ def load_turns(workload: str, prompts_file: str | None, num: int, fmt: str = "zl
     MT-Bench is multi-turn; like z-lab's server backends, only the first turn is measured.
     """
     if prompts_file:
-        path = Path(prompts_file)
-        if not path.exists():
-            raise _missing(workload, f"{path} does not exist")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        bad = [i for i, r in enumerate(rows) if not (isinstance(r.get("turns"), list) and r["turns"])]
+        if prompts_file != "-" and not Path(prompts_file).exists():
+            raise _missing(workload, f"{prompts_file} does not exist")
+        rows = runtime.read_jsonl(prompts_file, "--prompts")
+        bad = [i for i, r in enumerate(rows) if not (isinstance(r.get("turns"), list) and r["turns"]
+                                                     and isinstance(r["turns"][0], str))]
         if bad:
-            raise ValueError(f"{path}: line {bad[0] + 1} has no non-empty \"turns\" list")
+            raise ValueError(f"--prompts {prompts_file}: object {bad[0] + 1} has no non-empty \"turns\" list of "
+                             f"strings")
         turns = [r["turns"][0] for r in rows]
     elif workload == "humaneval":
         try:
@@ -129,22 +120,12 @@ def load_turns(workload: str, prompts_file: str | None, num: int, fmt: str = "zl
     return turns[:num]
 
 
-def encode(tokenizer, turns: list[str], chat: str, thinking: bool) -> tuple[list[list[int]], str]:
-    """Token ids per prompt and how they were made ("chat template (thinking on/off)" or "raw text")."""
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if chat == "on" and not has_template:
-        raise ValueError("--chat-template on: the tokenizer has no chat template")
-    if chat == "off" or not has_template:
-        return [tokenizer.encode(t, add_special_tokens=False) for t in turns], "raw text"
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           tokenize=False, enable_thinking=thinking) for t in turns]
-    how = f"chat template (thinking {'on' if thinking else 'off'})"
-    return [tokenizer.encode(t, add_special_tokens=False) for t in texts], how
-
-
 @dataclasses.dataclass(frozen=True)
 class SimulatedProposer:
-    """Runs ``inner`` for its cost, but drafts what ``OracleProposer`` replays (fixed acceptance pattern)."""
+    """Runs ``inner`` for its cost, but drafts what ``OracleProposer`` replays (fixed acceptance pattern).
+
+    Its params are ``(inner params, OracleParams)``.
+    """
 
     inner: object
     oracle: OracleProposer
@@ -157,87 +138,194 @@ class SimulatedProposer:
     def max_block(self):
         return self.inner.max_block
 
-    def init(self, target, params, prefill, prompt_lens, capacity, prompts):
-        return (self.inner.init(target, params[0], prefill, prompt_lens, capacity, prompts),
-                self.oracle.init(target, params[1], prefill, prompt_lens, capacity, prompts))
+    def init(self, *, params, view, prefill, prompts, prompt_lens, capacity):
+        kw = dict(view=view, prefill=prefill, prompts=prompts, prompt_lens=prompt_lens, capacity=capacity)
+        return self.inner.init(params=params[0], **kw), self.oracle.init(params=params[1], **kw)
 
-    def propose(self, target, params, state, anchor, k, keys, sampling):
-        real, _, inner = self.inner.propose(target, params[0], state[0], anchor, k, keys, sampling)
-        drafts, _, oracle = self.oracle.propose(target, params[1], state[1], anchor, k, keys, sampling)
+    def propose(self, *, params, view, state, anchor, k, keys, sampling):
+        kw = dict(view=view, anchor=anchor, k=k, keys=keys, sampling=sampling)
+        real, _, inner = self.inner.propose(params=params[0], state=state[0], **kw)
+        drafts, _, oracle = self.oracle.propose(params=params[1], state=state[1], **kw)
         # The real drafts are never -1, but XLA cannot know: this keeps the drafter's pass from being eliminated.
         return jnp.where(real == -1, real, drafts), None, (inner, oracle)
 
-    def commit(self, target, params, state, verified, n):
-        return (self.inner.commit(target, params[0], state[0], verified, n),
-                self.oracle.commit(target, params[1], state[1], verified, n))
+    def commit(self, *, params, view, state, verified, n):
+        kw = dict(view=view, verified=verified, n=n)
+        return (self.inner.commit(params=params[0], state=state[0], **kw),
+                self.oracle.commit(params=params[1], state=state[1], **kw))
 
 
-class _Runner:
-    """One method's compiled generate function and its profiled single-step phases, for one batch shape."""
+def timed_run(loop, params, tokens, lengths, rng, clock=time.perf_counter):
+    """(GenerateOutput, prefill seconds, decode seconds) of one run of the loop's compiled init and decode.
 
-    def __init__(self, target, proposer, pparams, spec: SpecConfig):
-        self.target, self.proposer, self.pparams, self.spec = target, proposer, pparams, spec
-        self.loop = loop = _Loop(target, proposer, spec)
-        self.init, self.step = jax.jit(loop.init), jax.jit(loop.step)
-
-        # Prefill (init) is timed apart from decoding, as z-lab's client measures time per output token;
-        # the profiled phases are the loop's own draft / check / settle, jitted one by one.
-        self.decode = jax.jit(loop.decode)
-        self.phases = jax.jit(loop.draft), jax.jit(loop.check), jax.jit(loop.settle)
-
-    def params(self, oracle: OracleParams | None):
-        pparams = self.pparams if oracle is None else (self.pparams, oracle)
-        return self.target.params, pparams
-
-    def warm_up(self, tokens, lengths, rng, oracle, profile: bool):
-        """Compiles (the profiled step too if ``profile``) and runs once: (GenerateOutput, seconds it took)."""
-        t0 = time.perf_counter()
-        out, *_ = self.run(tokens, lengths, rng, oracle)
-        if profile:
-            self.profile(tokens, lengths, rng, oracle, max_steps=1)
-        return out, time.perf_counter() - t0
-
-    def run(self, tokens, lengths, rng, oracle):
-        """(GenerateOutput, prefill seconds, decode seconds) of the on-device loop."""
-        params = self.params(oracle)
-        t0 = time.perf_counter()
-        s = jax.block_until_ready(self.init(params, tokens, lengths, rng))
-        t1 = time.perf_counter()
-        out = jax.block_until_ready(self.decode(params, s))
-        return out, t1 - t0, time.perf_counter() - t1
-
-    def profile(self, tokens, lengths, rng, oracle, max_steps: int | None = None) -> tuple[np.ndarray, int]:
-        """Seconds spent in [draft, verify, commit] over the loop's steps, and the number of steps.
-
-        The state advances through the loop's own jitted step (untimed), so the phases see exactly the
-        states the on-device loop sees.
-        """
-        params = self.params(oracle)
-        draft, check, settle = self.phases
-        s = jax.block_until_ready(self.init(params, tokens, lengths, rng))
-        total, steps = np.zeros(3), 0
-        while (np.asarray(s.finish) == RUNNING).any() and (max_steps is None or steps < max_steps):
-            t0 = time.perf_counter()
-            d = jax.block_until_ready(draft(params, s))
-            t1 = time.perf_counter()
-            verified, vcache = jax.block_until_ready(check(params, s, d[0]))
-            t2 = time.perf_counter()
-            jax.block_until_ready(settle(params, s, *d, verified, vcache))
-            t3 = time.perf_counter()
-            total += (t1 - t0, t2 - t1, t3 - t2)
-            steps += 1
-            s = self.step(params, s)
-        return total, steps
+    Each phase's result is waited on before the clock is read, so no phase's time leaks into another's.
+    """
+    t0 = clock()
+    state = jax.block_until_ready(loop.init(params, tokens, lengths, rng))
+    t1 = clock()
+    out = jax.block_until_ready(loop.decode(params, state))
+    return out, t1 - t0, clock() - t1
 
 
-def _proposer_for(method: Method, target, drafter):
+def _batch_params(params, b: int):
+    """A method's params for batch b: one pair for all batches, or a list with one per batch (simulated)."""
+    return params[b] if isinstance(params, list) else params
+
+
+def _run_one(loop, params, batches, rng, b: int, clock):
+    """``timed_run`` of batch b of ``batches`` [(tokens, lengths)]: the ``run`` that ``measure`` calls."""
+    return timed_run(loop, _batch_params(params, b), *batches[b], rng, clock)
+
+
+@dataclasses.dataclass
+class Timing:
+    """One method's runs over the batches: its first (compiling) run apart, then seconds per timed repeat."""
+
+    first_s: float = 0.0  # the first call on batch 0: compile + one run
+    warm_s: float = 0.0  # the call right after it, on the same batch: one warm run
+    prefill_s: list[float] = dataclasses.field(default_factory=list)  # per repeat, summed over batches
+    decode_s: list[float] = dataclasses.field(default_factory=list)
+    outputs: list = dataclasses.field(default_factory=list)  # the last repeat's GenerateOutput per batch
+
+    @property
+    def compile_s(self) -> float:
+        return max(self.first_s - self.warm_s, 0.0)
+
+
+def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, progress=None) -> dict:
+    """Times ``runs[name](batch, clock) -> (out, prefill_s, decode_s)`` warm, interleaved, repeated.
+
+    Each run waits on its results. A method's first run (it compiles) and the warm run after it are
+    timed apart (``Timing.compile_s`` is their difference). Each timed run follows an untimed run of
+    the same method on the same batch, so a method is always measured warm, never right after another
+    method has evicted it from the caches; the order of methods alternates between batches and
+    repeats. Returns ``{name: Timing}``.
+    """
+    names = list(runs)
+    timing = {n: Timing() for n in names}
+    for n in names:
+        for field in ("first_s", "warm_s"):
+            start = clock()
+            runs[n](0, clock)
+            setattr(timing[n], field, clock() - start)
+    for r in range(repeats):
+        sums = {n: [0.0, 0.0] for n in names}
+        for b in range(batches):
+            for n in (names if (r + b) % 2 == 0 else names[::-1]):
+                runs[n](b, clock)  # untimed: this method warm right before its timed run
+                out, prefill_s, decode_s = runs[n](b, clock)
+                sums[n][0] += prefill_s
+                sums[n][1] += decode_s
+                if r == repeats - 1:
+                    timing[n].outputs.append(out)
+                if progress is not None:
+                    progress(n, r, b)
+        for n in names:
+            timing[n].prefill_s.append(sums[n][0])
+            timing[n].decode_s.append(sums[n][1])
+    return timing
+
+
+def spread(values) -> dict:
+    """{"median", "min", "max"} of a list of figures."""
+    return dict(median=round(statistics.median(values), 4), min=round(min(values), 4), max=round(max(values), 4))
+
+
+def speedups(timing: Timing, base: Timing, tokens: int, base_tokens: int, rows: int) -> dict:
+    """Per-repeat ratios of tokens/s against ``base`` (paired repeat by repeat), decode-only and end to end.
+
+    Decode-only leaves out each row's first token (prefill makes it), as z-lab's time per output token.
+    """
+    dec = [((tokens - rows) / d) / ((base_tokens - rows) / bd) for d, bd in zip(timing.decode_s, base.decode_s,
+                                                                               strict=True)]
+    e2e = [(tokens / (p + d)) / (base_tokens / (bp + bd)) for p, d, bp, bd in
+           zip(timing.prefill_s, timing.decode_s, base.prefill_s, base.decode_s, strict=True)]
+    return dict(decode=spread(dec), e2e=spread(e2e))
+
+
+def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batch: int, context: int, dtype: str):
+    """The speed-up this machine allows at ``tau`` (``roofline.measured_ceiling``); None where it has no model.
+
+    The roofline models plain decoding and DFlash steps; MTP's sequential head is not modelled.
+    """
     if method.kind == "ar":
-        return NoProposer(), ()
-    if method.kind == "dflash":
-        return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
-    from dflash_jax.mtp import MTPProposer
+        return 1.0
+    if method.kind != "dflash":
+        return None
+    return round(roofline.measured_ceiling(target_cfg, drafter_cfg, block=method.block, tau=tau, batch=batch,
+                                           context=context, dtype=jnp.dtype(dtype)), 3)
 
-    return MTPProposer(target.cfg, method.block - 1), ()
+
+def compare(target, proposer, pparams, method: runtime.Method, prompts: list[list[int]], *, max_new_tokens: int,
+            sampling: SamplingConfig, stop_ids: tuple[int, ...], seed: int, repeats: int, drafter_cfg,
+            dtype: str) -> dict:
+    """``method`` against plain decoding on the prompts as one batch, as ``dflash-jax generate`` reports it."""
+    tokens, lengths = pad_prompts(prompts, bucket_for(max(len(p) for p in prompts)),
+                                  vocab_size=target.cfg.vocab_size)
+    loops, params = {}, {}
+    for m, prop, pp in ((method, proposer, pparams), (runtime.AR, *runtime.proposer_for(runtime.AR, target, None))):
+        spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+        loops[m.name], params[m.name] = SpeculativeLoop.of(target, prop, spec), (target.params, pp)
+    names = list(dict.fromkeys([method.name, "ar"]))  # --block-size 1: ar against itself, two timed runs
+    runs = {f"{n}#{i}": functools.partial(_run_one, loops[n], params[n], [(tokens, lengths)], seed)
+            for i, n in enumerate(names if len(names) == 2 else names * 2)}
+    timing = measure(runs, 1, repeats)
+    (m_key, m_t), (a_key, a_t) = timing.items()
+    rows = len(prompts)
+    n_m, n_a = (int(np.asarray(t.outputs[0].lengths).sum()) for t in (m_t, a_t))
+    tau = float(np.mean(np.asarray(m_t.outputs[0].tau)))
+    ratio = speedups(m_t, a_t, n_m, n_a, rows)
+    context = tokens.shape[1] + max_new_tokens // 2
+    return dict(
+        method=method.name, baseline="ar", repeats=repeats, rows=rows, tau=round(tau, 4),
+        tokens=n_m, baseline_tokens=n_a,
+        decode_tokens_per_s=spread([(n_m - rows) / d for d in m_t.decode_s]),
+        baseline_decode_tokens_per_s=spread([(n_a - rows) / d for d in a_t.decode_s]),
+        decode_speedup=ratio["decode"], e2e_speedup=ratio["e2e"],
+        compile_s=dict(method=round(m_t.compile_s, 3), baseline=round(a_t.compile_s, 3)),
+        ceiling=ceiling(method, target.cfg, drafter_cfg, tau=tau, batch=rows, context=context, dtype=dtype),
+        same_tokens=m_t.outputs[0].token_lists() == a_t.outputs[0].token_lists(),
+        greedy=sampling.greedy, backend=jax.default_backend())
+
+
+def _fmt(s: dict, unit: str = "x") -> str:
+    return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f})"
+
+
+def format_comparison(c: dict) -> str:
+    """The CLI's summary of ``compare``: decode-only and end-to-end speed-ups with spread, ceiling, compile."""
+    ceiling_text = ("n/a (the roofline models DFlash steps only)" if c["ceiling"] is None
+                    else f"{c['ceiling']:.2f}x")
+    lines = [f"[{c['method']} vs plain decoding on {c['backend']}, median (min-max) of {c['repeats']} warm runs each:",
+             f" decode-only {_fmt(c['decode_tokens_per_s'], '')} tok/s vs {_fmt(c['baseline_decode_tokens_per_s'], '')}"
+             f" tok/s: speed-up {_fmt(c['decode_speedup'])}; end to end (prefill + decode) {_fmt(c['e2e_speedup'])}",
+             f" ceiling on this machine at tau {c['tau']:.2f}: {ceiling_text}; compile (apart) "
+             f"{c['compile_s']['method']:.1f} s + {c['compile_s']['baseline']:.1f} s"]
+    if c["greedy"] and not c["same_tokens"]:
+        lines.append(" WARNING: greedy output differs from plain decoding")
+    return "\n".join(lines) + "]"
+
+
+def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf_counter) -> tuple[np.ndarray, int]:
+    """Seconds in [draft, verify, commit] over the loop's steps (public phases, each waited on), and steps.
+
+    The state advances through the loop's own ``step`` (untimed), so the phases see exactly the
+    states the on-device loop sees.
+    """
+    s = jax.block_until_ready(loop.init(params, tokens, lengths, rng))
+    total, steps = np.zeros(3), 0
+    while (np.asarray(s.finish) == FinishReason.RUNNING).any():
+        t0 = clock()
+        d = jax.block_until_ready(loop.draft(params, s))
+        t1 = clock()
+        verified = jax.block_until_ready(loop.check(params, s, d))
+        t2 = clock()
+        jax.block_until_ready(loop.settle(params, s, d, verified))
+        t3 = clock()
+        total += (t1 - t0, t2 - t1, t3 - t2)
+        steps += 1
+        s = loop.step(params, s)
+    return total, steps
 
 
 def _batches(n_prompts: int, concurrency: int) -> list[list[int]]:
@@ -266,88 +354,86 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress) 
     stop_ids = () if args.ignore_eos else None
     bucket = bucket_for(max(len(p) for p in prompts))
     simulate = tuple(args.simulate_acceptance) if args.simulate_acceptance else None
-    results, ar_out = [], {}  # ar_out: batch index -> ar's GenerateOutput at the current concurrency
-
-    def oracle_for(m, b):
-        return _oracle(ar_out[b].tokens, m.block, simulate) if simulate and m.kind != "ar" else None
-
+    results = []
     for conc in args.concurrency:
         batches = _batches(len(prompts), conc)
-        padded = [pad_prompts([prompts[i] for i in rows], bucket) for rows in batches]
-        runners = {}
+        padded = [pad_prompts([prompts[i] for i in rows], bucket, vocab_size=target.cfg.vocab_size)
+                  for rows in batches]
+        loops, params = {}, {}
         for m in methods:
-            proposer, pparams = _proposer_for(m, target, drafter)
+            proposer, pparams = runtime.proposer_for(m, target, drafter)
             if simulate and m.kind != "ar":
                 proposer = SimulatedProposer(proposer, OracleProposer(target.cfg.vocab_size))
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids)
-            runners[m] = _Runner(target, proposer, pparams, spec)
-        stats = {m: dict(prefill_s=0.0, decode_s=0.0, tokens=0, steps=0, accepted=np.zeros(m.block, np.int64),
-                         tau_rows=[], texts=[], phase_s=np.zeros(3), phase_steps=0, warmup_s=0.0) for m in methods}
-        ar_out.clear()
-        tokens0, lengths0 = padded[0]
-        for m in methods:  # warm-up: ar first, its output feeds the simulated proposers
-            progress.set_postfix_str(f"{workload} c={conc} warm-up {m.name}")
-            out, stats[m]["warmup_s"] = runners[m].warm_up(tokens0, lengths0, args.seed, oracle_for(m, 0),
-                                                                  args.profile_batches > 0)
-            if m.kind == "ar":
-                ar_out[0] = out
-        for b, (tokens, lengths) in enumerate(padded):
-            for m in methods:  # interleaved: each batch runs every method, ar first
-                progress.set_postfix_str(f"{workload} c={conc} batch {b + 1}/{len(padded)} {m.name}")
-                out, prefill_s, decode_s = runners[m].run(tokens, lengths, args.seed, oracle_for(m, b))
-                if m.kind == "ar":
-                    ar_out[b] = out
-                st = stats[m]
-                st["prefill_s"] += prefill_s
-                st["decode_s"] += decode_s
-                st["tokens"] += int(np.asarray(out.lengths).sum())
-                st["steps"] += int(np.asarray(out.steps).sum())
-                st["accepted"] += np.asarray(out.accepted).sum(0)
-                st["tau_rows"] += np.asarray(out.tau).tolist()
-                st["texts"] += out.texts()
-                if b < args.profile_batches:
-                    phase_s, n = runners[m].profile(tokens, lengths, args.seed, oracle_for(m, b))
-                    st["phase_s"] += phase_s
-                    st["phase_steps"] += n
-                progress.update(1)
-        ar = stats[methods[0]]
-        rows = len(ar["texts"])  # their first tokens come from prefill: decode tokens/s leaves them out
-        ar_tps, ar_e2e = (ar["tokens"] - rows) / ar["decode_s"], ar["tokens"] / (ar["prefill_s"] + ar["decode_s"])
+            loops[m], params[m] = SpeculativeLoop.of(target, proposer, spec), (target.params, pparams)
+        if simulate:  # the oracles replay ar's output: one untimed ar pass first
+            ar_tokens = [loops[runtime.AR].run(params[runtime.AR], t, n, args.seed).tokens for t, n in padded]
+            for m in methods[1:]:
+                params[m] = [(target.params, (params[m][1], _oracle(ar_tokens[b], m.block, simulate)))
+                             for b in range(len(padded))]
+
+        def show(m, r, b, conc=conc):
+            progress.set_postfix_str(f"{workload} c={conc} repeat {r + 1} batch {b + 1} {m.name}")
+            progress.update(1)
+
+        timing = measure({m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in methods},
+                         len(padded), args.repeats, progress=show)
+        phase = {}
         for m in methods:
-            st = stats[m]
-            tps, e2e = (st["tokens"] - rows) / st["decode_s"], st["tokens"] / (st["prefill_s"] + st["decode_s"])
-            hist = st["accepted"]
-            per_step_ms = (st["phase_s"] / max(st["phase_steps"], 1) * 1e3).round(4).tolist()
-            same = [t == a for t, a in zip(st["texts"], ar["texts"], strict=True)]
+            phase[m] = np.zeros(3), 0
+            for b in range(min(args.profile_batches, len(padded))):
+                secs, n = profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
+                phase[m] = phase[m][0] + secs, phase[m][1] + n
+        ar = timing[runtime.AR]
+        rows = sum(len(b) for b in batches)
+        n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
+        ar_texts = [t for o in ar.outputs for t in o.token_lists()]
+        for m in methods:
+            t = timing[m]
+            n = sum(int(np.asarray(o.lengths).sum()) for o in t.outputs)
+            hist = sum(np.asarray(o.accepted).sum(0) for o in t.outputs)
+            tau_rows = [float(x) for o in t.outputs for x in np.asarray(o.tau)]
+            texts = [x for o in t.outputs for x in o.token_lists()]
+            same = [x == a for x, a in zip(texts, ar_texts, strict=True)]
+            ratio = speedups(t, ar, n, n_ar, rows)
+            tau = float(np.mean(tau_rows))
+            secs, n_steps = phase[m]
             results.append(dict(
                 workload=workload, concurrency=conc, method=m.name, kind=m.kind, block=m.block,
-                prompts=len(prompts), rows=len(st["texts"]), prompt_bucket=bucket,
-                tokens=st["tokens"], prefill_s=round(st["prefill_s"], 4), decode_s=round(st["decode_s"], 4),
-                tokens_per_s=round(tps, 2), speedup=round(tps / ar_tps, 3), e2e_tokens_per_s=round(e2e, 2),
-                e2e_speedup=round(e2e / ar_e2e, 3), tau=round(float(np.mean(st["tau_rows"])), 4),
-                tau_rows=[round(t, 4) for t in st["tau_rows"]], steps=st["steps"],
+                prompts=len(prompts), rows=rows, prompt_bucket=bucket, repeats=args.repeats, tokens=n,
+                prefill_s=spread(t.prefill_s), decode_s=spread(t.decode_s),
+                tokens_per_s=round(statistics.median((n - rows) / d for d in t.decode_s), 2),
+                speedup=ratio["decode"]["median"], speedup_spread=ratio["decode"],
+                e2e_tokens_per_s=round(statistics.median(n / (p + d) for p, d in zip(t.prefill_s, t.decode_s,
+                                                                                     strict=True)), 2),
+                e2e_speedup=ratio["e2e"]["median"], e2e_speedup_spread=ratio["e2e"],
+                ceiling=ceiling(m, target.cfg, None if drafter is None else drafter.cfg, tau=tau, batch=conc,
+                                context=bucket + args.max_new_tokens // 2, dtype=args.dtype),
+                tau=round(tau, 4), tau_rows=[round(x, 4) for x in tau_rows],
+                steps=sum(int(np.asarray(o.steps).sum()) for o in t.outputs),
                 tau_hist={str(i + 1): int(c) for i, c in enumerate(hist)},
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
-                step_ms=dict(zip(("draft", "verify", "commit"), per_step_ms, strict=True)),
-                profiled_steps=st["phase_steps"], warmup_s=round(st["warmup_s"], 3),
+                step_ms=dict(zip(("draft", "verify", "commit"), (secs / max(n_steps, 1) * 1e3).round(4).tolist(),
+                                 strict=True)),
+                profiled_steps=n_steps, compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
                 matches_ar=all(same) if sampling.greedy else None, mismatched_rows=len(same) - sum(same),
                 simulated=simulate is not None and m.kind != "ar"))
     return results
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'workload':<10} {'conc':>4} {'method':<10} {'tau':>6} {'tok/s':>9} {'speedup':>7} {'e2e tok/s':>9} "
-            f"{'draft ms':>8} "
-            f"{'verify ms':>9} {'commit ms':>9} {'warm-up s':>9}  greedy==ar")
+    head = (f"{'workload':<10} {'conc':>4} {'method':<10} {'tau':>6} {'tok/s':>9} {'speedup (min-max)':>18} "
+            f"{'ceiling':>7} {'e2e':>6} {'draft ms':>8} {'verify ms':>9} {'commit ms':>9} {'compile s':>9}  greedy==ar")
     lines = [head, "-" * len(head)]
     for r in results:
         same = {True: "yes", False: f"NO ({r['mismatched_rows']} rows)", None: "n/a (sampled)"}[r["matches_ar"]]
-        ms = r["step_ms"]
+        ms, sp = r["step_ms"], r["speedup_spread"]
+        ceil = "n/a" if r["ceiling"] is None else f"{r['ceiling']:.2f}x"
         lines.append(f"{r['workload']:<10} {r['concurrency']:>4} {r['method']:<10} {r['tau']:>6.2f} "
-                     f"{r['tokens_per_s']:>9.1f} {r['speedup']:>6.2f}x {r['e2e_tokens_per_s']:>9.1f} "
-                     f"{ms['draft']:>8.2f} {ms['verify']:>9.2f} "
-                     f"{ms['commit']:>9.2f} {r['warmup_s']:>9.1f}  {same}")
+                     f"{r['tokens_per_s']:>9.1f} {sp['median']:>6.2f}x ({sp['min']:.2f}-{sp['max']:.2f}) "
+                     f"{ceil:>7} {r['e2e_speedup']:>5.2f}x {ms['draft']:>8.2f} {ms['verify']:>9.2f} "
+                     f"{ms['commit']:>9.2f} {r['compile_s']:>9.1f}  {same}")
     return "\n".join(lines)
 
 
@@ -396,14 +482,18 @@ def plot(results: list[dict], out: Path) -> list[str]:
     return ["tau.png", "tokens_per_s.png"]
 
 
+TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled decode (SpeculativeLoop.decode, "
+          "after prefill and the drafter's context prefill, as z-lab's TPOT), summed over batches, median over "
+          "repeats; speedup: its ratio to ar's, paired repeat by repeat (median, with min/max in speedup_spread). "
+          "e2e: all tokens / (prefill + decode) seconds. Every timed run follows an untimed run of the same method "
+          "(warm), methods alternate order; compile_s (first run less a warm run) is excluded. ceiling: the "
+          "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
+          "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
+          "first profile_batches batches. tau: mean over rows of tokens committed per target step.")
+
+
 def cmd_bench(args) -> int:
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
-
-    from dflash_jax.cli import ASSETS
-    from dflash_jax.config import ConfigError
-    from dflash_jax.drafter import load_drafter
-    from dflash_jax.target import load_target
 
     methods = parse_methods(args.methods)
     workloads = [w.strip() for w in args.workload.split(",")]
@@ -412,71 +502,66 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--workload: unknown {unknown}; expected some of {WORKLOADS}")
     if args.prompts and len(workloads) != 1:
         raise ValueError("--prompts gives the prompts of one workload: name exactly one --workload")
-    if args.num_prompts < 1 or min(args.concurrency) < 1:
-        raise ValueError("--num-prompts and --concurrency must be >= 1")
+    for flag in ("num_prompts", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if min(args.concurrency) < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.profile_batches < 0:
+        raise ValueError(f"--profile-batches must be >= 0, got {args.profile_batches}")
     if args.simulate_acceptance and args.temperature != 0:
         raise ValueError("--simulate-acceptance replays the greedy output: it needs --temperature 0")
+    args.dtype = args.dtype or runtime.default_dtype()
+    out = runtime.writable_dir(args.out, "--out")
     turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
-    model_dir = Path(args.model) if args.model else Path(str(ASSETS / "target"))
-    draft_dir = args.draft_model or (str(ASSETS / "drafter") if args.model is None else None)
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    target = load_target(model_dir, dtype=dtype, progress=not args.quiet)
+    model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
+    target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
+                                          progress=not args.quiet)
     notes = []
-    if any(m.kind == "mtp" for m in methods) and target.module().mtp is None:
+    if any(m.kind == "mtp" for m in methods) and not runtime.has_mtp(target):
         notes.append(f"skipped {', '.join(m.name for m in methods if m.kind == 'mtp')}: {model_dir} has no MTP "
                      f"head (mtp.* weights)")
         methods = [m for m in methods if m.kind != "mtp"]
-    drafter = None
-    if any(m.kind == "dflash" for m in methods):
-        if draft_dir is None:
-            raise ValueError("dflash methods need --draft-model (the drafter directory)")
-        drafter = load_drafter(draft_dir, target, progress=not args.quiet)
-        too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
-        if too_big:
-            raise ValueError(f"{too_big} exceed the drafter's block size {drafter.cfg.block_size}")
     for note in notes:
         print(f"dflash-jax bench: {note}", file=sys.stderr)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer or model_dir))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{args.tokenizer or model_dir}: no usable tokenizer ({e})") from None
-    encoded = {}
-    for w in workloads:
-        encoded[w], how = encode(tokenizer, turns[w], args.chat_template, args.enable_thinking)
-    units = sum(len(methods) * len(_batches(len(encoded[w]), c)) for w in workloads for c in args.concurrency)
+    tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
+    encoded = {w: [runtime.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
+               for w in workloads}
+    how = runtime.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
+    units = sum(args.repeats * len(methods) * len(_batches(len(encoded[w]), c)) for w in workloads
+                for c in args.concurrency)
     results = []
     with tqdm(total=units, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as progress:
         for w in workloads:
             results += bench_workload(w, encoded[w], methods, target, drafter, args, progress)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    table = format_table(results)
-    print(table)
+    print(format_table(results))
     greedy = [r for r in results if r["matches_ar"] is not None]
     if greedy:
         bad = [f"{r['workload']}/c{r['concurrency']}/{r['method']}" for r in greedy if not r["matches_ar"]]
         print("greedy check: every method's text equals ar's" if not bad else
               f"greedy check: texts DIFFER from ar's for {', '.join(bad)}")
-    plots = [] if args.no_plots else plot(results, out)
     report = dict(
         args={k: v for k, v in vars(args).items() if k != "func"}, machine=_machine(),
-        models=dict(target=str(model_dir.resolve()), drafter=str(Path(draft_dir).resolve()) if drafter else None,
+        models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if drafter else None,
                     tokenizer=str(args.tokenizer or model_dir), dtype=args.dtype),
         settings=dict(workloads=workloads, methods=[m.name for m in methods], concurrency=args.concurrency,
-                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       ignore_eos=args.ignore_eos, prompts_file=args.prompts, prompt_format=args.prompt_format,
                       chat_template=args.chat_template, enable_thinking=args.enable_thinking, encoding=how,
                       simulate_acceptance=args.simulate_acceptance, profile_batches=args.profile_batches),
-        timing=("tokens_per_s: tokens after the first / seconds of the jitted on-device decode loop (after prefill "
-                "and the drafter's context prefill, as z-lab's TPOT), summed over batches run interleaved; speedup: "
-                "its ratio to ar's. e2e_tokens_per_s: all tokens / (prefill + decode) seconds. warmup_s (compile + "
-                "first run) excluded. step_ms: per-step "
-                "draft / verify / accept+commit from a host-driven copy of one step, synchronised per phase, "
-                "over the first profile_batches batches. tau: mean over rows of tokens committed per target step."),
-        notes=notes, results=results, plots=plots)
-    (out / "bench.json").write_text(json.dumps(report, indent=1))
-    print(f"wrote {out / 'bench.json'}" + "".join(f", {out / p}" for p in plots))
+        timing=TIMING, notes=notes, results=results, plots=[])
+    (out / "bench.json").write_text(json.dumps(report, indent=1))  # the numbers are safe before any plotting
+    print(f"wrote {out / 'bench.json'}")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("dflash-jax bench: no plots (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+        else:
+            report["plots"] = plot(results, out)
+            (out / "bench.json").write_text(json.dumps(report, indent=1))
+            print("wrote " + ", ".join(str(out / p) for p in report["plots"]))
     return 0
 
 
@@ -502,6 +587,7 @@ def add_parser(sub) -> None:
     b.add_argument("--num-prompts", type=int, default=8)
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--concurrency", type=_ints, default=[1], help="rows per generate call, e.g. 1,32")
+    b.add_argument("--repeats", type=int, default=3, help="timed passes over all batches; figures are medians")
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--top-k", type=int, default=0)
@@ -519,7 +605,8 @@ def add_parser(sub) -> None:
     b.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target)")
     b.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
-    b.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    b.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
     b.add_argument("--out", default="bench_out", help="directory for bench.json and the plots")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -1,9 +1,10 @@
-"""The ``dflash-jax`` command line: ``generate`` (the main job) and the training stages.
+"""The ``dflash-jax`` command line: ``generate`` (the main job), ``bench`` and the training stages.
 
-Top of the data flow: it loads a target and a proposer, streams a completion through
-``generate.stream`` and then times speculative decoding against plain decoding with the on-device
-loop (``generate.generate``), both compiled before timing. With no flags it runs the small models
-shipped in ``dflash_jax/assets`` on whatever JAX backend is present.
+Top of the data flow: ``generate`` checks every flag and input, loads a target and a proposer
+through ``runtime.py``, streams completions through ``speculative.stream`` and then times
+speculative decoding against plain decoding with ``bench.py``'s measurement (the same compiled
+on-device loop, warm, repeated, interleaved). With no flags it runs the small models shipped in
+``dflash_jax/assets`` on whatever JAX backend is present.
 """
 
 from __future__ import annotations
@@ -12,171 +13,377 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
-from importlib import resources
+from importlib import metadata
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
+from dflash_jax import bench, runtime
 from dflash_jax.checkpoint import CheckpointError
-from dflash_jax.config import ConfigError
+from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import GenerateOutput, generate, stream
+from dflash_jax.speculative import stream
 
-ASSETS = resources.files("dflash_jax") / "assets"
-METHODS = ("dflash", "mtp")
+SPEC_KEYS = ("method", "model", "num_speculative_tokens")
+MTP_DEFAULT_STEPS = 3
+SEED_MAX = 2**31 - 1  # seeds become int32 keys
+
+
+def parse_method(args, draft_block: int | None) -> runtime.Method:
+    """The method the flags ask for: ``--speculative-config`` (vLLM's JSON) or ``--draft-model``/``--block-size``.
+
+    ``draft_block`` is the drafter's block size (None without a drafter). Settings that disagree,
+    or that the chosen method would not use, are refused rather than dropped.
+    """
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    if spec is None:
+        if args.block_size == 1:
+            if args.draft_model:
+                raise ValueError("--block-size 1 is plain decoding: --draft-model would be unused")
+            return runtime.AR
+        if draft_block is None:
+            raise ValueError(f"--block-size {args.block_size} needs a drafter: give --draft-model DIR or "
+                             f"--speculative-config (--model has no default drafter)")
+        return runtime.Method("dflash", draft_block if args.block_size is None else args.block_size)
+    steps = spec.get("num_speculative_tokens")
+    if args.block_size is not None and steps is not None and args.block_size != steps + 1:
+        raise ValueError(f"--block-size {args.block_size} disagrees with --speculative-config's "
+                         f"num_speculative_tokens {steps} (block = drafts + 1 = {steps + 1})")
+    if steps is None and args.block_size is not None:
+        steps = args.block_size - 1
+    if spec["method"] == "mtp":
+        steps = MTP_DEFAULT_STEPS if steps is None else steps
+        if not 1 <= steps <= 15:
+            raise ValueError(f"--speculative-config: MTP num_speculative_tokens must be in 1..15, got {steps}")
+        return runtime.Method("mtp", steps + 1)
+    block = draft_block if steps is None else steps + 1
+    if block < 2:
+        raise ValueError(f"--speculative-config: DFlash num_speculative_tokens must be >= 1, got {block - 1}")
+    return runtime.Method("dflash", block)
+
+
+def parse_speculative_config(text: str) -> dict:
+    """vLLM's ``--speculative-config`` JSON object, every key checked."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(spec).__name__} {text!r}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown keys {unknown}; expected some of {list(SPEC_KEYS)}")
+    method = spec.get("method")
+    if method not in ("dflash", "mtp"):
+        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash' or 'mtp'")
+    steps = spec.get("num_speculative_tokens")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {steps!r}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--speculative-config: num_speculative_tokens {steps} drafts nothing; use "
+                         f"--block-size 1 for plain decoding")
+    model = spec.get("model")
+    if method == "dflash" and not (isinstance(model, str) and model):
+        raise ValueError('--speculative-config: method "dflash" needs "model": the drafter directory')
+    if method == "mtp" and model is not None:
+        raise ValueError('--speculative-config: method "mtp" drafts with the target\'s own head; drop "model"')
+    return spec
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` if it came from valid UTF-8 (argv and stdin decode bad bytes to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"{where} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start})") from None
+    return text
+
+
+def read_prompts(args) -> list[str]:
+    """The prompt texts: the positional prompt ('-': all of stdin) or ``--prompts`` JSONL ('-': stdin)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise ValueError("give a prompt, or --prompts FILE.jsonl (not both)")
+    if args.prompt is not None:
+        if args.prompt == "-":
+            return [_utf8(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), "the prompt on stdin")]
+        return [_utf8(args.prompt, "the prompt")]
+    rows = runtime.read_jsonl(args.prompts, "--prompts")
+    texts = []
+    for i, row in enumerate(rows, 1):
+        text = row.get("prompt", (row.get("turns") or [None])[0] if isinstance(row.get("turns"), list) else None)
+        if not isinstance(text, str):
+            raise ValueError(f'--prompts {args.prompts}: line {i} has no "prompt" string (or "turns" list)')
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"--prompts {args.prompts}: no prompts in the file")
+    return texts
 
 
 @dataclasses.dataclass(frozen=True)
-class Speculation:
-    """What drafts: ``method`` "dflash" (a drafter directory) or "mtp" (the target's own head), or None."""
+class Request:
+    """Everything ``generate`` was asked to do, checked against the configs before any weight is loaded."""
 
-    method: str | None
-    model: str | None
-    num_speculative_tokens: int | None
+    model_dir: Path
+    draft_dir: Path | None
+    method: runtime.Method
+    texts: list[str]
+    sampling: SamplingConfig
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
 
 
-def parse_speculation(args) -> Speculation:
-    """Merges ``--speculative-config`` (vLLM's JSON) with ``--draft-model``/``--block-size``."""
+def check_request(args) -> Request:
+    """Every check that needs no weights: flags, configs (sizes only), the prompts' text."""
+    texts = read_prompts(args)
+    draft_flag = args.draft_model
     if args.speculative_config:
-        try:
-            spec = json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        method = spec.get("method")
-        if method not in METHODS:
-            raise ValueError(f"--speculative-config: unknown method {method!r}; expected one of {METHODS}")
-        if method == "dflash" and not spec.get("model"):
-            raise ValueError('--speculative-config: method "dflash" needs "model": the drafter directory')
-        return Speculation(method, spec.get("model"), spec.get("num_speculative_tokens"))
-    if args.block_size == 1:
-        return Speculation(None, None, None)
-    draft = args.draft_model or (str(ASSETS / "drafter") if args.model is None else None)
-    if draft is None:
-        return Speculation(None, None, None)
-    return Speculation("dflash", draft, None if args.block_size is None else args.block_size - 1)
+        spec_model = parse_speculative_config(args.speculative_config).get("model")
+        if spec_model and args.draft_model and Path(spec_model) != Path(args.draft_model):
+            raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
+                             f"{spec_model}")
+        draft_flag = spec_model or args.draft_model
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
+    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
+    cfg = TargetConfig.from_pretrained(model_dir)
+    draft_block = None
+    if draft_dir is not None:
+        from dflash_jax.drafter import DrafterConfig
+
+        draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
+    method = parse_method(args, draft_block)
+    if method.kind == "dflash" and method.block > draft_block:
+        raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
+                         f"size {draft_block} ({draft_dir})")
+    if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none "
+                         f"(mtp_num_hidden_layers is 0)")
+    if method.kind != "dflash" and args.draft_model:
+        raise ValueError(f"--draft-model is unused by {method.name}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.top_k <= cfg.vocab_size:
+        raise ValueError(f"--top-k must be in 0..{cfg.vocab_size} (the vocabulary; 0 = off), got {args.top_k}")
+    bad = [i for i in args.stop_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"--stop-ids {bad}: outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty stop string would stop at once")
+    eos = () if args.ignore_eos else tuple(cfg.eos_token_ids)
+    return Request(model_dir, draft_dir, method, texts,
+                   SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+                   tuple(dict.fromkeys(eos + tuple(args.stop_ids))), tuple(_utf8(s, "--stop") for s in args.stop))
 
 
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+def _cut_at_stop(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
+    """(tokens up to the one completing a stop string, text before the stop, whether one occurred)."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    hits = [text.find(s) for s in stops if s in text]
+    if not hits:
+        return tokens, text, False
+    cut = min(hits)
+    n = next(n for n in range(1, len(tokens) + 1)
+             if any(s in tokenizer.decode(tokens[:n], skip_special_tokens=True) for s in stops))
+    return tokens[:n], text[:cut], True
 
+
+def _complete(args, req: Request, tokenizer, it) -> dict:
+    """Drains one prompt's ``stream`` (printing unless --json): its tokens, text, tau and finish reason.
+
+    A stop string ends the stream early: the tokens keep the one that completed it, the text ends before it.
+    """
+    shown: list[int] = []
+    printed, stopped, steps, emitted = "", False, -1, 0
     try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: no usable tokenizer ({e})") from None
-
-
-def _encode(tokenizer, prompt: str, chat: str) -> list[int]:
-    use_chat = chat == "on" or (chat == "auto" and getattr(tokenizer, "chat_template", None))
-    if use_chat:
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=True))
-    return tokenizer.encode(prompt)
-
-
-def _timed(fn) -> tuple[GenerateOutput, float]:
-    fn()  # compile (and warm up) first: the timing is of decoding alone
-    start = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out.tokens)
-    return out, time.perf_counter() - start
+        while True:
+            chunk = next(it)[0]
+            steps, emitted = steps + 1, emitted + len(chunk)
+            shown += chunk
+            if req.stop_strings:
+                shown, text, stopped = _cut_at_stop(tokenizer, shown, req.stop_strings)
+            else:
+                text = tokenizer.decode(shown, skip_special_tokens=True)
+            if not args.json:
+                print(text[len(printed):], end="", flush=True)
+            printed = text
+            if stopped:
+                it.close()
+                break
+    except StopIteration as done:
+        out = done.value
+        return dict(tokens=shown, text=printed, tau=float(out.tau[0]), steps=int(out.steps[0]),
+                    finish_reason=out.finish_names()[0])
+    # tokens committed per target step: all but the prefill's first token, over the steps taken
+    return dict(tokens=shown, text=printed, tau=(emitted - 1) / max(steps, 1), steps=steps, finish_reason="stop")
 
 
 def cmd_generate(args) -> int:
-    from dflash_jax.drafter import load_drafter
-    from dflash_jax.target import load_target
-
-    model_dir = Path(args.model) if args.model else Path(str(ASSETS / "target"))
-    spec = parse_speculation(args)
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    target = load_target(model_dir, dtype=dtype, progress=not args.quiet, mtp=spec.method == "mtp" or None)
-    tokenizer = _load_tokenizer(model_dir)
-    prompt = _encode(tokenizer, args.prompt, args.chat_template)
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    kw = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, rng=args.seed)
-    if spec.method == "dflash":
-        drafter = load_drafter(spec.model, target, progress=not args.quiet)
-        block = drafter.cfg.block_size if spec.num_speculative_tokens is None else spec.num_speculative_tokens + 1
-        kw.update(drafter=drafter, block_size=block)
-    elif spec.method == "mtp":
-        from dflash_jax.mtp import MTPProposer
-
-        if target.module().mtp is None:
-            raise ConfigError(f"{model_dir}: the checkpoint has no mtp.* weights, so method 'mtp' cannot draft")
-        block = 1 + (spec.num_speculative_tokens or 3)
-        kw.update(drafter=(MTPProposer(target.cfg, block - 1), target.params), block_size=block)
-    else:
-        block = 1
-
-    print(args.prompt, end="", flush=True)
-    it = stream(target, [prompt], **kw)
-    shown: list[int] = []
-    text_so_far = ""
-    try:
-        while True:
-            shown += next(it)[0]
-            text = tokenizer.decode(shown, skip_special_tokens=True)
-            print(text[len(text_so_far):], end="", flush=True)
-            text_so_far = text
-    except StopIteration as done:
-        out = done.value
-    print()
-    tau = float(out.tau[0])
-    summary = f"[{len(shown)} tokens, block {block}, tau {tau:.2f}"
+    req = check_request(args)
+    dtype = args.dtype or runtime.default_dtype()
+    target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
+                                          progress=not args.quiet)
+    if req.method.kind == "mtp" and not runtime.has_mtp(target):
+        raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
+    tokenizer = runtime.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
+    prompts = [runtime.encode(tokenizer, t, args.chat_template) for t in req.texts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i + 1} encodes to no tokens")
+    proposer, pparams = runtime.proposer_for(req.method, target, drafter)
+    kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
+              max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed)
+    note = (lambda m: None) if args.quiet else (lambda m: print(f"[{m}]", file=sys.stderr, flush=True))
+    note(f"compiling {req.method.name} (prefill and one step) on {jax.default_backend()}…")
+    records = []
+    for text, prompt in zip(req.texts, prompts, strict=True):
+        if not args.json:
+            print(text, end="", flush=True)
+        records.append(dict(prompt=text, prompt_tokens=len(prompt),
+                            **_complete(args, req, tokenizer, stream(target, [prompt], **kw))))
+        if not args.json:
+            print()
+            r = records[-1]
+            print(f"[{len(r['tokens'])} tokens, finish {r['finish_reason']}, {req.method.name}, tau {r['tau']:.2f}]")
+    timings = None
     if not args.no_compare:
-        spec_out, t_spec = _timed(lambda: generate(target, [prompt], **kw))
-        kw_ar = {k: v for k, v in kw.items() if k not in ("drafter", "block_size")}
-        ar_out, t_ar = _timed(lambda: generate(target, [prompt], **kw_ar))
-        n_spec, n_ar = int(spec_out.lengths[0]), int(ar_out.lengths[0])
-        summary += (f", {n_spec / t_spec:.1f} tok/s vs {n_ar / t_ar:.1f} tok/s plain decoding: "
-                    f"speed-up {(n_spec / t_spec) / (n_ar / t_ar):.2f}x on {jax.default_backend()}")
-        if sampling.greedy and spec_out.texts() != ar_out.texts():
-            summary += " (WARNING: greedy output differs from plain decoding)"
-    print(summary + "]")
+        note(f"timing {req.method.name} against plain decoding: compiling the on-device loops…")
+        timings = bench.compare(target, proposer, pparams, req.method, prompts, max_new_tokens=args.max_new_tokens,
+                                sampling=req.sampling, stop_ids=req.stop_ids, seed=args.seed, repeats=args.repeats,
+                                drafter_cfg=None if drafter is None else drafter.cfg, dtype=dtype)
+        if not args.json:
+            print(bench.format_comparison(timings))
+    if args.json:
+        print(json.dumps(dict(model=str(req.model_dir), drafter=None if drafter is None else str(req.draft_dir),
+                              method=req.method.name, block=req.method.block, dtype=dtype,
+                              backend=jax.default_backend(), completions=records, timings=timings), indent=1))
+    bad = [i + 1 for i, r in enumerate(records) if r["finish_reason"] == "nonfinite"]
+    if bad:
+        print(f"dflash-jax: error: prompt {', '.join(map(str, bad))}: the target's logits became non-finite (NaN or "
+              f"Inf), so decoding stopped there. Check the checkpoint's weights, and try --dtype float32 "
+              f"(bfloat16 overflows sooner) or a larger --temperature.", file=sys.stderr)
+        return 1
     return 0
 
 
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{SEED_MAX}, got {seed}")
+    return seed
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _no_default(value) -> bool:
+    return value is None or value is False or value == argparse.SUPPRESS or value == []
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help text with each option's default appended (unless the help already says it, or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "default:" in text or _no_default(action.default):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser (subcommands too) whose --help shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and not _no_default(kwargs.get("default")):
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints no help line for an option without help
+        return super().add_argument(*args, **kwargs)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("dflash-jax")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
+    parser = Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="stream a completion, then compare with plain decoding")
-    g.add_argument("prompt", help="the prompt text")
+    g = sub.add_parser("generate", help="stream completions, then time them against plain decoding")
+    g.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin")
+    g.add_argument("--prompts", metavar="FILE.jsonl", help='one JSON object per line with "prompt" (or "turns": '
+                   "[first user turn, ...]); '-' reads them from stdin")
     g.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
     g.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target; none with --model)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
-                   '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\'')
+                   '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
+                   f"(MTP default: {MTP_DEFAULT_STEPS})")
     g.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
                    "drafter's block size")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=_seed, default=0)
+    g.add_argument("--stop-ids", type=_int_list, default=[], metavar="ID[,ID...]",
+                   help="token ids that end a completion, besides the target's EOS ids")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a string that ends a completion (repeatable); the text ends before it")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    g.add_argument("--no-compare", action="store_true", help="skip the plain-decoding baseline")
-    g.add_argument("--quiet", action="store_true", help="no loading progress bars")
+    g.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    g.add_argument("--repeats", type=int, default=5, help="timed runs per method in the comparison")
+    g.add_argument("--no-compare", action="store_true", help="skip the timed comparison with plain decoding")
+    g.add_argument("--json", action="store_true", help="print one JSON document (completions with tokens, text, "
+                   "tau, finish reason; timings) instead of streaming text")
+    g.add_argument("--quiet", action="store_true", help="no loading progress bars or notes")
     g.set_defaults(func=cmd_generate)
-    from dflash_jax.bench import add_parser as add_bench
+    bench.add_parser(sub)
+    from dflash_jax.train.cli import add_commands
 
-    add_bench(sub)
-    try:
-        from dflash_jax.train.cli import add_commands
-    except ImportError:  # the training extras are optional at run time
-        pass
-    else:
-        add_commands(sub)
+    add_commands(sub)
     return parser
+
+
+def check_outputs(args) -> None:
+    """Output folders are proven writable, and checkpoint settings consistent, before any work starts."""
+    for flag in ("out", "ckpt_dir"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            runtime.writable_dir(path, "--" + flag.replace("_", "-"))
+    if getattr(args, "ckpt_dir", None) is not None and args.ckpt_every < 1:
+        raise ValueError(f"--ckpt-every {args.ckpt_every} with --ckpt-dir would never save a checkpoint; "
+                         f"give a step interval >= 1")
+    if getattr(args, "repeats", 1) < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        check_outputs(args)
+        return args.func(args) or 0
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"dflash-jax: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,7 +11,9 @@ message names the flag, file or folder the user gave.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import sys
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -140,7 +142,8 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
 
 
 def has_mtp(target) -> bool:
-    return target.module().mtp is not None
+    """Whether the loaded target carries the MTP head (``mtp.*`` weights)."""
+    return "mtp" in target.params
 
 
 def proposer_for(method: Method, target, drafter):
@@ -149,9 +152,37 @@ def proposer_for(method: Method, target, drafter):
         return NoProposer(), ()
     if method.kind == "dflash":
         return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
-    from dflash_jax.mtp import MTPProposer
+    from dflash_jax.mtp import MTPProposer, mtp_params
 
-    return MTPProposer(target.cfg, method.block - 1), ()
+    return MTPProposer(target.cfg, method.block - 1), mtp_params(target)
+
+
+def read_jsonl(path: str, flag: str) -> list[dict]:
+    """The JSON objects of a JSONL file ('-': stdin), one per non-blank line; errors name ``flag`` and the line."""
+    if path == "-":
+        data, where = sys.stdin.buffer.read(), f"{flag} - (stdin)"
+    else:
+        file, where = Path(path), f"{flag} {path}"
+        if file.is_dir():
+            raise ValueError(f"{where}: is a directory, not a JSONL file")
+        if not file.is_file():
+            raise ValueError(f"{where}: does not exist")
+        data = file.read_bytes()
+    rows = []
+    for i, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column "
+                             f"{e.start + 1})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: line {i} is a JSON {type(row).__name__}, not an object")
+        rows.append(row)
+    return rows
 
 
 def writable_dir(path: str | Path, flag: str) -> Path:

@@ -43,9 +43,10 @@ def setup(hf_dense, tmp_path_factory):
 def _argv(s, out, *extra):
     return ["bench", "--workload", "mbpp", "--prompts", str(s["prompts"]), "--num-prompts", "2",
             "--max-new-tokens", "16", "--model", str(s["model"]), "--draft-model", str(s["drafter"]),
-            "--tokenizer", str(s["tok"]), "--out", str(out), "--quiet", "--ignore-eos", *extra]
+            "--tokenizer", str(s["tok"]), "--out", str(out), "--quiet", "--ignore-eos", "--repeats", "1", *extra]
 
 
+@pytest.mark.slow
 def test_bench_end_to_end(setup, capsys):
     out = setup["root"] / "out"
     assert main(_argv(setup, out, "--methods", "ar,dflash:4,mtp:3")) == 0
@@ -58,10 +59,12 @@ def test_bench_end_to_end(setup, capsys):
     ar, df = report["results"]
     assert (ar["method"], df["method"]) == ("ar", "dflash:4")
     for r in (ar, df):
-        assert r["matches_ar"] and r["rows"] == 2 and r["tokens"] == 32 and r["warmup_s"] > 0
+        assert r["matches_ar"] and r["rows"] == 2 and r["tokens"] == 32 and r["first_run_s"] > 0
+        assert r["repeats"] == 1 and r["compile_s"] >= 0 and r["speedup_spread"]["median"] == r["speedup"]
         assert set(r["step_ms"]) == {"draft", "verify", "commit"} and r["profiled_steps"] > 0
         assert sum(r["tau_hist"].values()) == r["steps"] and abs(sum(r["accept_frac"].values()) - 1) < 1e-3
-    assert ar["speedup"] == 1.0 and ar["tau"] == 1.0 and ar["steps"] == 30
+    assert ar["speedup"] == 1.0 and ar["tau"] == 1.0 and ar["steps"] == 30 and ar["ceiling"] == 1.0
+    assert df["ceiling"] > 0
     assert list(df["tau_hist"]) == ["1", "2", "3", "4"]
     for png in report["plots"]:
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -95,7 +98,8 @@ def test_methods_parse():
 def test_missing_dataset_says_how_to_provide_it(tmp_path, capsys):
     with pytest.raises(bench.DatasetMissing, match=r"--prompts FILE.jsonl.*\"turns\""):
         bench.load_turns("gsm8k", str(tmp_path / "absent.jsonl"), 4)
-    assert main(["bench", "--workload", "gsm8k", "--prompts", str(tmp_path / "absent.jsonl"), "--quiet"]) == 2
+    assert main(["bench", "--workload", "gsm8k", "--prompts", str(tmp_path / "absent.jsonl"), "--out",
+                 str(tmp_path / "out"), "--quiet"]) == 2
     assert "workload gsm8k: no prompts" in capsys.readouterr().err
 
 
@@ -110,3 +114,111 @@ def test_batches_cycle_prompts_into_whole_batches():
     assert bench._batches(3, 1) == [[0], [1], [2]]
     assert bench._batches(3, 2) == [[0, 1], [2, 0]]
     assert bench._batches(2, 4) == [[0, 1, 0, 1]]
+
+
+class FakeDevice:
+    """An asynchronous device on a mock clock: calls queue work, waiting on a result runs the queue.
+
+    A method whose program ran last is warm; a run after another method's costs ``cold`` seconds more
+    (its weights evicted from the caches), as interleaving does on a real machine.
+    """
+
+    def __init__(self, cold: float = 0.0):
+        self.now, self.queued, self.last, self.cold = 0.0, 0.0, None, cold
+
+    def clock(self) -> float:
+        return self.now
+
+    def submit(self, name: str, seconds: float):
+        self.queued += seconds + (self.cold if self.last not in (None, name) else 0.0)
+        self.last = name
+        return Pending(self)
+
+
+class Pending:
+    def __init__(self, device):
+        self.device, self.lengths, self.tau = device, [9], [1.0]
+
+    def block_until_ready(self):  # what jax.block_until_ready calls on a leaf that is not an array
+        self.device.now += self.device.queued
+        self.device.queued = 0.0
+        return self
+
+
+class FakeLoop:
+    """``init`` (prefill; the first call also compiles) and ``decode`` of known cost on a FakeDevice."""
+
+    def __init__(self, device, name, prefill, decode, compile_s):
+        self.device, self.name, self.cost, self.compile_s, self.calls = device, name, (prefill, decode), compile_s, 0
+
+    def init(self, params, tokens, lengths, rng):
+        self.calls += 1
+        return self.device.submit(self.name, self.cost[0] + (self.compile_s if self.calls == 1 else 0.0))
+
+    def decode(self, params, state):
+        return self.device.submit(self.name, self.cost[1])
+
+
+def _fake_runs(device, costs):
+    loops = {n: FakeLoop(device, n, *c) for n, c in costs.items()}
+    return {n: lambda b, clock, loop=loop: bench.timed_run(loop, None, None, None, 0, clock) for n, loop in
+            loops.items()}
+
+
+def test_measure_excludes_compile_and_warm_up_and_waits_before_the_clock():
+    device = FakeDevice()
+    device.submit("earlier", 50.0)  # work queued before (e.g. an unwaited warm-up) lands in the first call alone
+    timing = bench.measure(_fake_runs(device, {"a": (0.25, 2.0, 100.0), "b": (0.5, 1.0, 30.0)}), 3, 4,
+                           clock=device.clock)
+    assert timing["a"].prefill_s == [0.75] * 4 and timing["a"].decode_s == [6.0] * 4
+    assert timing["b"].prefill_s == [1.5] * 4 and timing["b"].decode_s == [3.0] * 4
+    assert timing["a"].compile_s == 150.0 and timing["b"].compile_s == 30.0
+    assert len(timing["a"].outputs) == 3  # the last repeat's output per batch
+
+
+def test_identical_work_reads_exactly_one_even_when_interleaving_evicts_caches():
+    device = FakeDevice(cold=0.4)  # every switch of method costs the next run 0.4 s
+    costs = {"dflash": (0.1, 1.0, 5.0), "ar": (0.1, 1.0, 5.0)}
+    timing = bench.measure(_fake_runs(device, costs), 2, 3, clock=device.clock)
+    ratio = bench.speedups(timing["dflash"], timing["ar"], 9, 9, 1)
+    assert ratio["decode"] == {"median": 1.0, "min": 1.0, "max": 1.0} and ratio["e2e"]["median"] == 1.0
+    assert timing["dflash"].decode_s == [2.0] * 3  # warm: no cold-cache penalty in any timed run
+
+
+def test_spread():
+    assert bench.spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+
+
+def test_bench_writes_json_before_plotting_and_notes_missing_matplotlib(setup, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = setup["root"] / "noplot"
+    assert main(_argv(setup, out, "--methods", "ar", "--profile-batches", "0")) == 0
+    err = capsys.readouterr().err
+    assert "no plots (matplotlib is not installed" in err and "Traceback" not in err
+    assert json.loads((out / "bench.json").read_text())["plots"] == []
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"turns": ["a"]}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
+    ('{"turns": ["a"]}\n{"turns": [\n', "line 2 is not valid JSON"),
+    (b'{"turns": ["\xff"]}\n', "line 1 is not valid UTF-8"),
+    ('{"prompt": "a"}\n', 'object 1 has no non-empty "turns" list'),
+])
+def test_bad_prompts_file_is_one_clear_message(tmp_path, capsys, content, match):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["bench", "--workload", "mbpp", "--prompts", str(path), "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert match in err and f"--prompts {path}" in err and "Traceback" not in err
+
+
+def test_prompts_naming_a_directory_and_unwritable_out(tmp_path, capsys):
+    assert main(["bench", "--workload", "mbpp", "--prompts", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--quiet"]) == 2
+    assert "is a directory, not a JSONL file" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["bench", "--out", str(tmp_path / "file" / "sub"), "--quiet"]) == 2
+    assert f"--out {tmp_path / 'file' / 'sub'}: not writable" in capsys.readouterr().err

@@ -1,43 +1,211 @@
-"""The ``dflash-jax`` command line as a user meets it: the main job on the shipped models, and its errors."""
+"""The ``dflash-jax`` command line as a user meets it: the main job on the shipped models, and its errors.
+
+Every bad input gives exit status 2 and one ``dflash-jax: error:`` line naming the flag the user gave,
+never a traceback; settings that the chosen method would not use are refused, not dropped.
+"""
 
 from __future__ import annotations
 
+import io
+import json
+import sys
+
 import pytest
 
-from dflash_jax import cli
+from dflash_jax import cli, runtime
 
-ASSETS = cli.ASSETS
-shipped = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file(), reason="shipped models absent")
+ASSETS = runtime.ASSETS
+shipped = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file() or
+                             not (ASSETS / "drafter" / "config.json").is_file(), reason="shipped models absent")
+
+
+def _error(capsys, argv) -> str:
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-jax: error: ") and "Traceback" not in err, err
+    return err
 
 
 @shipped
 def test_generate_streams_and_summarises_on_the_shipped_models(capsys):
-    assert cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "16", "--quiet"]) == 0
+    assert cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "16", "--quiet", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("def fibonacci(n):")
-    summary = out.strip().splitlines()[-1]
-    assert "tau" in summary and "tok/s" in summary and "speed-up" in summary and "WARNING" not in summary
+    assert "finish length, dflash:16, tau" in out
+    assert "decode-only" in out and "tok/s" in out and "speed-up" in out and "end to end" in out
+    assert "ceiling on this machine at tau" in out and "compile (apart)" in out and "WARNING" not in out
 
 
 @shipped
-def test_generate_with_vllm_speculative_config_and_no_compare(capsys):
+def test_json_output_of_a_vllm_speculative_config(capsys):
     config = '{"method": "dflash", "model": "%s", "num_speculative_tokens": 3}' % (ASSETS / "drafter")
     assert cli.main(["generate", "import os", "--speculative-config", config, "--max-new-tokens", "8",
-                     "--no-compare", "--quiet"]) == 0
-    summary = capsys.readouterr().out.strip().splitlines()[-1]
-    assert "block 4" in summary and "speed-up" not in summary
+                     "--no-compare", "--quiet", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["method"] == "dflash:4" and doc["block"] == 4 and doc["timings"] is None
+    (c,) = doc["completions"]
+    assert c["prompt"] == "import os" and len(c["tokens"]) == 8 and c["finish_reason"] == "length"
+    assert isinstance(c["text"], str) and 1 <= c["tau"] <= 4
+
+
+@shipped
+def test_prompts_file_stdin_and_stop_strings(tmp_path, capsys, monkeypatch):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "target"))
+    base = ["generate", "--max-new-tokens", "12", "--no-compare", "--quiet", "--json", "--block-size", "1"]
+    assert cli.main([*base, "def add(a, b):"]) == 0
+    full = json.loads(capsys.readouterr().out)["completions"][0]
+    stop = full["text"][len(full["text"]) // 2:][:3]  # a string from the middle of the greedy completion
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n\n" + json.dumps({"turns": ["import os"]}) + "\n")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(path.read_bytes())))
+    assert cli.main([*base, "--prompts", "-", "--stop", stop]) == 0
+    first, second = json.loads(capsys.readouterr().out)["completions"]
+    assert first["finish_reason"] == "stop" and full["text"].startswith(first["text"] + stop)
+    assert first["tokens"] == full["tokens"][:len(first["tokens"])] and stop not in first["text"]
+    assert stop in tok.decode(first["tokens"]) and second["prompt"] == "import os"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"def add(a, b):")))
+    assert cli.main([*base, "-", "--stop-ids", str(full["tokens"][0])]) == 0
+    (only,) = json.loads(capsys.readouterr().out)["completions"]
+    assert only["tokens"] == full["tokens"][:1] and only["finish_reason"] == "stop"
+
+
+@shipped
+def test_identical_work_reads_one(capsys):
+    """--block-size 1 times plain decoding against itself: the same compiled program, timed the same way."""
+    assert cli.main(["generate", "def f(x):", "--block-size", "1", "--max-new-tokens", "8", "--repeats", "2",
+                     "--quiet", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["timings"]
+    assert t["method"] == "ar" and t["same_tokens"] and t["ceiling"] == 1.0 and t["tokens"] == t["baseline_tokens"]
+    assert t["repeats"] == 2 and set(t["decode_speedup"]) == {"median", "min", "max"}
 
 
 def test_errors_name_the_problem(tmp_path, capsys):
-    assert cli.main(["generate", "x", "--model", str(tmp_path / "nowhere"), "--quiet"]) == 2
-    assert "no config.json" in capsys.readouterr().err
-    assert cli.main(["generate", "x", "--speculative-config", '{"method": "eagle"}', "--quiet"]) == 2
-    assert "unknown method 'eagle'" in capsys.readouterr().err
-    assert cli.main(["generate", "x", "--speculative-config", "{not json", "--quiet"]) == 2
-    assert "not valid JSON" in capsys.readouterr().err
+    assert "no config.json" in _error(capsys, ["generate", "x", "--model", str(tmp_path / "nowhere")])
+    assert "unknown method 'eagle'" in _error(capsys, ["generate", "x", "--speculative-config", '{"method": "eagle"}'])
+    assert "not valid JSON" in _error(capsys, ["generate", "x", "--speculative-config", "{not json"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--speculative-config", "[1, 2]"], "--speculative-config must be a JSON object, got list"),
+    (["--speculative-config", '"dflash"'], "--speculative-config must be a JSON object, got str"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2.5}'],
+     "num_speculative_tokens must be an integer, got 2.5"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": "3"}'],
+     "num_speculative_tokens must be an integer, got '3'"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": true}'],
+     "num_speculative_tokens must be an integer, got True"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'],
+     "num_speculative_tokens 0 drafts nothing"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 16}'], "must be in 1..15, got 16"),
+    (["--speculative-config", '{"method": "mtp", "draft_tensor_parallel_size": 1}'],
+     "unknown keys ['draft_tensor_parallel_size']"),
+    (["--speculative-config", '{"method": "mtp", "model": "x"}'], 'drop "model"'),
+    (["--speculative-config", '{"method": "dflash"}'], 'needs "model"'),
+    (["--block-size", "0"], "--block-size must be >= 1"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--prompts", "p.jsonl"], "not both"),
+])
+def test_bad_flags_are_one_message_naming_the_flag(capsys, argv, match):
+    assert match in _error(capsys, ["generate", "x", *argv])
 
 
 @shipped
-def test_a_target_directory_is_not_a_drafter(capsys):
-    assert cli.main(["generate", "x", "--draft-model", str(ASSETS / "target"), "--quiet"]) == 2
-    assert "not a DFlash drafter config" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, match", [
+    (["--top-k", "100000"], "--top-k must be in 0.."),
+    (["--stop-ids", "-1"], "--stop-ids [-1]: outside the vocabulary"),
+    (["--block-size", "32"], "exceed the drafter's block size 16"),
+    (["--block-size", "1", "--draft-model", str(ASSETS / "drafter")], "--draft-model would be unused"),
+    (["--speculative-config", '{"method": "mtp"}', "--draft-model", str(ASSETS / "drafter")],
+     "--draft-model is unused by mtp:3"),
+    (["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}', "--block-size", "8"],
+     "--block-size 8 disagrees with --speculative-config's num_speculative_tokens 3"),
+    (["--speculative-config", '{"method": "dflash", "model": "/elsewhere"}', "--draft-model", str(ASSETS / "drafter")],
+     "disagrees with --speculative-config's model /elsewhere"),
+    (["--model", str(ASSETS / "target"), "--block-size", "4"], "--block-size 4 needs a drafter"),
+    (["--tokenizer", str(ASSETS / "drafter")], "no tokenizer files in the folder"),
+    (["--tokenizer", "/no/such/dir"], "--tokenizer /no/such/dir: not a directory"),
+    (["--draft-model", str(ASSETS / "target")], "not a DFlash drafter config"),
+])
+def test_settings_that_disagree_or_go_unused_are_refused(capsys, argv, match):
+    assert match in _error(capsys, ["generate", "x", "--no-compare", "--quiet", *argv])
+
+
+def test_out_of_range_seed_and_bad_stop_ids_are_argparse_errors(capsys):
+    for argv, match in ((["--seed", str(2**31)], "expected an integer in 0..2147483647"),
+                        (["--seed", "-1"], "expected an integer in 0..2147483647"),
+                        (["--seed", "x"], "expected an integer, got 'x'"),
+                        (["--stop-ids", "1,a"], "expected comma-separated integers")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["generate", "x", *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert match in err and "--seed" in err or "--stop-ids" in err
+
+
+def test_invalid_utf8_prompt(capsys, monkeypatch):
+    bad = b"caf\xe9".decode("utf-8", "surrogateescape")  # what Python makes of such bytes in argv
+    assert "the prompt is not valid UTF-8 (byte 0xe9 at character 3)" in _error(capsys, ["generate", bad])
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))
+    assert "the prompt on stdin is not valid UTF-8 (byte 0xff" in _error(capsys, ["generate", "-"])
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"prompt": "a"}\n[1]\n', "line 2 is a JSON list, not an object"),
+    ('{"prompt": 3}\n', 'line 1 has no "prompt" string'),
+    (b'{"prompt": "\xff"}\n', "line 1 is not valid UTF-8"),
+    ("\n", "no prompts in the file"),
+])
+def test_bad_prompts_file(tmp_path, capsys, content, match):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    err = _error(capsys, ["generate", "--prompts", str(path)])
+    assert match in err and f"--prompts {path}" in err
+
+
+def test_prompts_naming_a_directory_or_nothing(tmp_path, capsys):
+    assert f"--prompts {tmp_path}: is a directory" in _error(capsys, ["generate", "--prompts", str(tmp_path)])
+    assert "does not exist" in _error(capsys, ["generate", "--prompts", str(tmp_path / "none.jsonl")])
+
+
+def test_outputs_are_checked_before_any_work(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    blocked = str(tmp_path / "file" / "sub")
+    err = _error(capsys, ["train-tokenizer", "--out", blocked])
+    assert f"--out {blocked}: not writable" in err
+    err = _error(capsys, ["train-target", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"),
+                          "--ckpt-dir", blocked])
+    assert f"--ckpt-dir {blocked}: not writable" in err
+    err = _error(capsys, ["train-target", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"),
+                          "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "0"])
+    assert "--ckpt-every 0 with --ckpt-dir would never save a checkpoint" in err
+
+
+def test_help_shows_defaults_and_version(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 128)" in out and "(default: auto)" in out and "bfloat16 on GPU" in out
+    with pytest.raises(SystemExit):
+        cli.main(["train-target", "--help"])
+    assert "(default: 120)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.startswith("dflash-jax ")
+
+
+def test_no_import_cycle_between_cli_and_bench():
+    import ast
+    import inspect
+
+    from dflash_jax import bench
+
+    tree = ast.parse(inspect.getsource(bench))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names} | {
+        n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "dflash_jax.cli" not in imported and "cli" not in imported
