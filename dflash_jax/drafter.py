@@ -22,9 +22,10 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import checkpoint, kernels
-from dflash_jax.config import ConfigError, TargetConfig, parsing, read_config_json
+from dflash_jax.config import DEFAULT_THETA, ConfigError, Fields, TargetConfig, parsing, read_config_json, rope_scaling
 from dflash_jax.kernels import dispatch
-from dflash_jax.layers import MLP, Linear, RMSNorm, rope, with_kernels, write_rows
+from dflash_jax.layers import MLP, Linear, RMSNorm, with_kernels, write_rows
+from dflash_jax.rope import RopeScaling, rope
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -52,11 +53,17 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...]
     num_target_layers: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e7
+    rope_theta: float = DEFAULT_THETA
+    rope_scaling: RopeScaling = RopeScaling()
     layer_types: tuple[str, ...] = ()  # empty: all "full_attention"
     sliding_window: int | None = None
     is_causal: bool | None = None  # overrides every layer's causality when set
     target_hidden_size: int | None = None  # width of one tap; None: hidden_size
+    # z-lab's optional transforms: block embeddings times input_embedding_scale; draft logits times
+    # output_multiplier, then tanh-softcapped at final_logit_softcapping (None: off).
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self):
         # Normalise first (frozen, so via object.__setattr__): tuples keep the config hashable.
@@ -73,12 +80,20 @@ class DrafterConfig:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size", "vocab_size", "block_size", "num_target_layers",
                      "target_hidden_size"):
-            need(getattr(self, name) > 0, f"{name}={getattr(self, name)} must be positive")
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier"):
+            value = getattr(self, name)
+            need(isinstance(value, int | float) and np.isfinite(value) and value > 0,
+                 f"{name} must be a finite number > 0, got {value!r}")
+        cap = self.final_logit_softcapping
+        need(cap is None or (np.isfinite(cap) and cap > 0), f"final_logit_softcapping={cap!r} must be > 0 or null")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads={self.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={self.num_key_value_heads}")
         need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
-        need(self.mask_token_id >= 0, f"mask_token_id={self.mask_token_id} must be >= 0")
+        need(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
+             f"mask_token_id={self.mask_token_id!r} must be an integer >= 0")
         need(len(self.target_layer_ids) > 0, "target_layer_ids is empty")
         need(all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
              f"target_layer_ids {list(self.target_layer_ids)} must lie in 0..num_target_layers-1 "
@@ -107,45 +122,96 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
-        """Parses a z-lab ``config.json`` (model_type qwen3 with ``dflash_config``, ``block_size``)."""
+        """Parses a z-lab ``config.json`` (model_type qwen3). As z-lab's ``_draft_value``, the DFlash fields
+        (block_size, mask_token_id, target_layer_ids, ...) are read from ``dflash_config`` first, then from
+        the top level; block_size defaults to 16 there."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: must be a JSON object, not a {type(raw).__name__}")
         if "dflash_config" not in raw and "block_size" not in raw:
             raise ConfigError(f"{source}: not a DFlash drafter config (no dflash_config or block_size; "
                               f"architectures {raw.get('architectures')})")
+        f = Fields(raw)
         with parsing(source):
             dflash = raw.get("dflash_config") or {}
-            if raw.get("attention_bias"):
-                raise ConfigError("attention_bias=true is not supported (no z-lab drafter uses it)")
-            rope_params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-            rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
-            if rope_type != "default":
-                raise ConfigError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
-            n_layers = int(raw["num_hidden_layers"])
-            ids = dflash.get("target_layer_ids")
+            if not isinstance(dflash, dict):
+                raise ConfigError(f"dflash_config must be an object, got {dflash!r}")
+            d = Fields(dflash, "dflash_config.")
+            f.read.add("dflash_config")
+            if "DFlash2DraftModel" in (raw.get("architectures") or []) or any(
+                    k in dflash for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")):
+                raise ConfigError("DFlash2 drafters (dynamic convolutions, candidate selector) are not supported")
+
+            def pick(key: str) -> Fields:  # z-lab's _draft_value: dflash_config first, then the top level
+                return d if d.has(key) else f
+
+            f.require("hidden_act", ("silu",), "silu", "the drafter MLP uses SiLU")
+            f.require("attention_bias", (False,), False, "no z-lab drafter has projection biases")
+            f.require("attention_dropout", (0, 0.0), 0.0, "no dropout")
+            d.require("use_swa", (False,), False, "sliding windows come from layer_types and sliding_window")
+            d.require("attention_sink_bias", (False,), False, "no attention sinks")
+            n_layers = f.integer("num_hidden_layers")
+            max_pos = f.integer("max_position_embeddings", 32768)
+            rope = f.get("rope_parameters") or f.get("rope_scaling")
+            if rope is not None and not isinstance(rope, dict):
+                raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
+            rope = Fields(rope or {}, "rope_parameters.")
+            if rope.number("partial_rotary_factor", 1.0) != 1.0:
+                raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported "
+                                  "(the drafter rotates the whole head)")
+            # transformers' Qwen3Config: use_sliding_window=false drops the window; without layer_types, layers
+            # from max_window_layers on slide. (use_sliding_window absent: explicit layer_types decide.)
+            use_window = f.get("use_sliding_window", "layer_types" in raw)
+            window = f.get("sliding_window") if use_window else None
+            layer_types = f.get("layer_types") or [
+                "sliding_attention" if window is not None and i >= f.integer("max_window_layers", 28, low=0)
+                else "full_attention" for i in range(n_layers)]
+            if "sliding_attention" in layer_types and not use_window:
+                raise ConfigError("layer_types has sliding_attention layers but use_sliding_window is false "
+                                  "(transformers then drops the window)")
+            ids = pick("target_layer_ids").get("target_layer_ids")
             if ids is None:
-                ids = default_target_layer_ids(int(raw["num_target_layers"]), n_layers)
+                ids = default_target_layer_ids(f.integer("num_target_layers"), n_layers)
+            elif not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                raise ConfigError(f"target_layer_ids must be a list of layer indices, got {ids!r}")
             # `is_causal: false` is meaningful (it makes sliding layers bidirectional): test for None.
-            is_causal = raw.get("is_causal")
+            is_causal = f.get("is_causal")
             if is_causal is None:
-                is_causal = dflash.get("causal")
-            return cls(
-                hidden_size=int(raw["hidden_size"]),
+                is_causal = d.get("causal")
+            cap = pick("final_logit_softcapping").number("final_logit_softcapping", 0.0, positive=False)
+            if cap < 0:
+                raise ConfigError(f"final_logit_softcapping={cap} must be >= 0 (0 or null: off)")
+            heads = f.integer("num_attention_heads")
+            cfg = cls(
+                hidden_size=f.integer("hidden_size"),
                 num_hidden_layers=n_layers,
-                num_attention_heads=int(raw["num_attention_heads"]),
-                num_key_value_heads=int(raw["num_key_value_heads"]),
-                head_dim=int(raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]),
-                intermediate_size=int(raw["intermediate_size"]),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(rope_params.get("rope_theta", raw.get("rope_theta", 1e7))),
-                vocab_size=int(raw["vocab_size"]),
-                block_size=int(raw["block_size"]),
-                mask_token_id=int(dflash["mask_token_id"]),
+                num_attention_heads=heads,
+                num_key_value_heads=f.integer("num_key_value_heads"),
+                head_dim=f.integer("head_dim", f.integer("hidden_size") // heads),
+                intermediate_size=f.integer("intermediate_size"),
+                rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+                rope_theta=rope.number("rope_theta", f.number("rope_theta", DEFAULT_THETA)),
+                rope_scaling=rope_scaling(rope.raw or None, max_position_embeddings=max_pos),
+                vocab_size=f.integer("vocab_size"),
+                block_size=pick("block_size").integer("block_size", 16),
+                mask_token_id=pick("mask_token_id").integer("mask_token_id", low=0),
                 target_layer_ids=tuple(ids),
-                num_target_layers=int(raw["num_target_layers"]),
-                layer_types=tuple(raw.get("layer_types") or ()),
-                sliding_window=raw.get("sliding_window"),
+                num_target_layers=f.integer("num_target_layers"),
+                layer_types=tuple(layer_types),
+                sliding_window=window,
                 is_causal=None if is_causal is None else bool(is_causal),
-                target_hidden_size=raw.get("target_hidden_size"),
+                target_hidden_size=f.integer("target_hidden_size", f.integer("hidden_size")),
+                input_embedding_scale=pick("input_embedding_scale").number("input_embedding_scale", 1.0),
+                output_multiplier=pick("output_multiplier").number("output_multiplier", 1.0),
+                final_logit_softcapping=cap or None,
             )
+        d.read |= {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
+                   "final_logit_softcapping", "mask_token"}
+        f.read |= {"use_sliding_window", "sliding_window", "max_window_layers", "block_size", "mask_token_id",
+                   "target_layer_ids", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                   "tie_word_embeddings"}
+        f.warn_unknown(source)
+        d.warn_unknown(source)
+        return cfg
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> DrafterConfig:
@@ -153,16 +219,21 @@ class DrafterConfig:
 
     def to_hf(self) -> dict[str, Any]:
         """The z-lab ``config.json`` dict; ``from_hf(to_hf())`` gives this config back."""
+        rope_parameters = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                             ("final_logit_softcapping", None)):
+            if getattr(self, key) != neutral:
+                dflash[key] = getattr(self, key)
         raw = {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False,
             "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope_parameters,
             "vocab_size": self.vocab_size, "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "num_target_layers": self.num_target_layers, "dflash_config": dflash,
             "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
             "use_sliding_window": "sliding_attention" in self.layer_types,
         }
@@ -171,6 +242,17 @@ class DrafterConfig:
         if self.target_hidden_size != self.hidden_size:
             raw["target_hidden_size"] = self.target_hidden_size
         return raw
+
+
+def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
+    """z-lab's ``compute_logits`` on the target head's logits of drafter states: the output multiplier,
+    then the tanh softcap (both no-ops at their defaults). [..., V] -> [..., V]."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
 
 
 class DrafterAttention(nnx.Module):
@@ -192,7 +274,7 @@ class DrafterAttention(nnx.Module):
         cfg = self.cfg
         B, T, _ = h.shape
         k = self.k_norm(self.k_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim))
-        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.head_dim)
+        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling)
         return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
 
 
@@ -277,6 +359,8 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
     B, Bk, _ = x.shape
     N, H = cfg.num_attention_heads, cfg.head_dim
     x = x.astype(drafter.fc.weight.dtype)
+    if cfg.input_embedding_scale != 1.0:  # z-lab scales the block's embeddings
+        x = x * cfg.input_embedding_scale
     start = cache.lengths
     positions = _positions(start, Bk)
     ks, vs = [], []
@@ -284,7 +368,7 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_norm(attn.q_proj(h).reshape(B, Bk, N, H))
-        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H)
+        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H, scaling=cfg.rope_scaling)
         k, v = attn.kv(h, positions)
         # The block sits right behind the committed context, so one kernel call covers [context ; block].
         kc = write_rows(kc, k.astype(kc.dtype), start)

@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax import kernels
 from dflash_jax.cache import GDNCache, GDNPending
 from dflash_jax.config import TargetConfig
+from dflash_jax.rope import rope
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -80,22 +81,6 @@ class GatedRMSNorm(nnx.Module):
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
         h = self.weight[...] * h.astype(x.dtype)
         return (h * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
-
-
-def rope(x: jax.Array, positions: jax.Array, *, theta: float, rotary_dim: int) -> jax.Array:
-    """NeoX ("rotate half") RoPE on the first ``rotary_dim`` channels of each head.
-
-    Args:
-      x: [B, T, N, H]; positions: [B, T] absolute token positions.
-    """
-    half = rotary_dim // 2
-    inv_freq = 1.0 / theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim)  # [half]
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, half]
-    # transformers builds cos/sin in f32 and casts them to the activation dtype before rotating.
-    cos = jnp.cos(freqs).astype(x.dtype)[:, :, None, :]
-    sin = jnp.sin(freqs).astype(x.dtype)[:, :, None, :]
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
@@ -185,9 +170,11 @@ class GatedAttention(nnx.Module):
         positions = start[:, None] + jnp.arange(T)[None, :]
         qg = self.q_proj(x).reshape(B, T, N, 2 * H)
         q, gate = qg[..., :H], qg[..., H:].reshape(B, T, N * H)
-        q = rope(self.q_norm(q), positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        q = rope(self.q_norm(q), positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
+                 scaling=cfg.rope_scaling)
         k = self.k_norm(self.k_proj(x).reshape(B, T, K, H))
-        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
+                 scaling=cfg.rope_scaling)
         v = self.v_proj(x).reshape(B, T, K, H)
         k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
         v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)

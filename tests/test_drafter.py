@@ -194,7 +194,7 @@ def test_default_target_layer_ids(L, n, ids):
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
     (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 4])), r"must lie in 0..num_target_layers-1"),
     (dict(dflash_config=dict(target_layer_ids=[0, 2])), "missing required field 'mask_token_id'"),
-    (dict(rope_scaling=dict(rope_type="yarn", factor=4.0)), "rope type 'yarn' is not supported"),
+    (dict(rope_scaling=dict(rope_type="dynamic", factor=4.0)), "rope_type 'dynamic' is not supported"),
     (dict(layer_types=["sliding_attention", "full_attention"], sliding_window=2, is_causal=False),
      "non-causal sliding_window=2 must be >= block_size=4"),
 ])

@@ -24,7 +24,7 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DFlashDrafter, Drafter, DrafterConfig, init_drafter
-from dflash_jax.layers import rope
+from dflash_jax.rope import rope
 from dflash_jax.speculative import generate
 from dflash_jax.target import Target, forward
 from dflash_jax.train import loop
@@ -118,7 +118,8 @@ def block_hidden(drafter: DFlashDrafter, taps: jax.Array, x: jax.Array, anchors:
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         a = layer.input_layernorm(h)
-        q = rope(attn.q_norm(attn.q_proj(a).reshape(B, N * Bk, Nh, H)), pos, theta=cfg.rope_theta, rotary_dim=H)
+        q = rope(attn.q_norm(attn.q_proj(a).reshape(B, N * Bk, Nh, H)), pos, theta=cfg.rope_theta, rotary_dim=H,
+                 scaling=cfg.rope_scaling)
         kc, vc = attn.kv(c, ctx_pos)
         kb, vb = attn.kv(a, pos)
         mask = block_mask(anchors, S, Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i))
