@@ -202,7 +202,8 @@ def plan(module, qcfg: QuantConfig) -> list[str]:
         if path == "lm_head.weight":
             raise ConfigError("quantization_config.exclude must cover 'lm_head': the drafter shares the "
                               "target's LM head and reads it as a bf16 matrix")
-        if getattr(sub, attr).get_value().shape[-1] % BLOCK == 0:
+        width = getattr(sub, attr).get_value().shape[-1] * (2 if hasattr(sub, attr + "_scale") else 1)
+        if width % BLOCK == 0:  # the input width, whether the weight is dense or already packed
             out.append(path)
     return out
 
