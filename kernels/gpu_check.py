@@ -12,8 +12,8 @@ skipped, not run):
 3. ``steps``: verify(T=16) / decode(T=1) step time at 27B shapes, random bf16 weights initialised on the
    device (``synthetic.random_target``), 4K context (goal <= 1.2).
 4. ``e2e``: plain decoding against DFlash block 16 with acceptance fixed to tau = 10 (the bench's
-   ``SimulatedProposer``: the real random drafter runs, the oracle's drafts are used), 27B shapes,
-   warm interleaved medians (``bench.measure``), beside the roofline's ceiling for the device.
+   ``SimulatedProposer``: the real random drafter runs, the oracle's drafts are used; ``regime.fixed_tau``),
+   27B shapes, warm interleaved medians, beside the roofline's ceiling for an H200 at peak.
 
 Results go to ``OUT/gpu_check.json`` (one entry per part: values, goal, met). ``--smoke`` runs the same
 code at tiny shapes on any backend (the shipped models' configs, interpreted kernels) so that the
@@ -61,17 +61,6 @@ class Budget:
 
     def left(self) -> float:
         return self.end - time.monotonic()
-
-
-def _median_s(fn, *args, warmup: int = 2, runs: int = 5) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def part_tests(repo: Path, smoke: bool, budget: Budget) -> dict:
@@ -185,38 +174,18 @@ def part_steps(target, *, context: int, block: int) -> dict:
 
 
 def part_e2e(target, drafter, dtype, *, block: int, tau: int, prompt_len: int, max_new: int) -> dict:
-    """Plain decoding vs DFlash with ``tau - 1`` drafts accepted every step, interleaved warm medians."""
-    from dflash_jax import bench
-    from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
-    from dflash_jax.speculative import SpecConfig, SpeculativeLoop
+    """Plain decoding vs DFlash with ``tau - 1`` drafts accepted every step (``regime.fixed_tau``)."""
+    from dflash_jax import regime
 
-    rng = np.random.default_rng(0)
-    tokens = jnp.asarray(rng.integers(2, target.cfg.vocab_size, (1, prompt_len)), jnp.int32)
-    lengths = jnp.full((1,), prompt_len, jnp.int32)
-    ar = SpeculativeLoop.of(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=max_new, stop_ids=(-1,)))
-    ar_tokens = ar.run((target.params, ()), tokens, lengths, 0).tokens
-    continuation = jnp.pad(jnp.maximum(ar_tokens, 0), ((0, 0), (0, block)))
-    oracle = OracleParams(continuation=continuation, errors=jnp.asarray([tau - 1], jnp.int32))
-    proposer = bench.SimulatedProposer(DFlashProposer(drafter.cfg, drafter.graphdef),
-                                       OracleProposer(target.cfg.vocab_size))
-    spec = SpeculativeLoop.of(target, proposer, SpecConfig(block_size=block, max_new_tokens=max_new, stop_ids=(-1,)))
-    runs = {"ar": lambda b, clock: bench.timed_run(ar, (target.params, ()), tokens, lengths, 0, clock),
-            "dflash": lambda b, clock: bench.timed_run(spec, (target.params, (drafter.params, oracle)), tokens,
-                                                       lengths, 0, clock)}
-    timing = bench.measure(runs, 1, 3)
-    out = timing["dflash"].outputs[0]
-    rows = 1
-    decode = {n: statistics.median((max_new - rows) / d for d in t.decode_s) for n, t in timing.items()}
-    measured_tau = float(np.asarray(out.tau)[0])
-    same = out.token_lists() == timing["ar"].outputs[0].token_lists()
-    return dict(goal="report the speed-up at tau fixed; lossless", met=same, tau=measured_tau,
-                ar_decode_tok_s=decode["ar"], dflash_decode_tok_s=decode["dflash"],
-                decode_speedup=decode["dflash"] / decode["ar"],
-                compile_s={n: t.compile_s for n, t in timing.items()},
+    r = regime.fixed_tau(target, drafter, blocks=(block,), tau=tau, prompt_len=prompt_len, max_new=max_new)
+    b = r["blocks"][0]
+    return dict(goal="report the speed-up at tau fixed; lossless", met=b["same_tokens"], tau=b["tau"],
+                ar_decode_tok_s=r["ar_decode_tok_s"], dflash_decode_tok_s=b["decode_tok_s"],
+                decode_speedup=b["speedup"], compile_s=dict(ar=r["ar_compile_s"], dflash=b["compile_s"]),
                 roofline_ceiling_at_peak=roofline.ceiling(roofline.H200, target.cfg, drafter.cfg, block=block,
-                                                          tau=measured_tau, context=prompt_len + max_new // 2,
+                                                          tau=b["tau"], context=prompt_len + max_new // 2,
                                                           dtype=dtype),
-                same_tokens=same)
+                same_tokens=b["same_tokens"])
 
 
 def main(argv=None) -> int:
