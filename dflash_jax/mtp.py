@@ -1,7 +1,8 @@
 """Qwen3.5's own multi-token-prediction head (``mtp.*``) as a proposer: the baseline DFlash is measured against.
 
-Sits beside ``proposers.py`` behind the same interface, on top of the ``MTP`` module of ``target.py``
-(its weights are the target's ``mtp.*``). The head is one full-attention decoder layer with its own
+Sits beside ``proposers.py`` behind the same interface, on top of the ``MTP`` module of ``target.py``:
+its params are the target's ``mtp`` subtree (``target.params["mtp"]``), its embedding and LM head
+the target's (the ``TargetView``). The head is one full-attention decoder layer with its own
 KV cache: the entry at position t reads (token x_{t+1}, the target's final-normed hidden h_t) and
 predicts x_{t+2}. Drafting is autoregressive, as in vLLM (``qwen3_5_mtp.py``, ``llm_base_proposer.py``):
 one wide pass writes the entries the last verify made known and drafts d_1, then each deeper draft is
@@ -16,29 +17,30 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
+from dflash_jax.proposers import TargetView
 from dflash_jax.sampling import SamplingConfig, draft_tokens
-from dflash_jax.target import Qwen35ForCausalLM, TargetOutput
+from dflash_jax.target import MTP, Target, TargetOutput
 
 
-def mtp_step(target: Qwen35ForCausalLM, tokens, hidden, k_cache, v_cache, start):
+def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start):
     """Runs the MTP head on T entries at positions start[b] + t, writing their K/V first.
 
     Teacher-forced training uses it directly: tokens = x_{t+1}, hidden = h_t (``TargetOutput.hidden``),
-    and ``target.logits(out)`` at t is trained to predict x_{t+2}.
+    and ``view.logits(out)`` at t is trained to predict x_{t+2}.
 
     Args:
-      target: a ``Qwen35ForCausalLM`` with its ``mtp`` head.
+      mtp: the target's ``MTP`` head; view: the target's embedding and LM head.
       tokens: [B, T] int32, the token after each hidden state's position.
       hidden: [B, T, D] target final-normed hidden states (or the head's own output, when drafting).
       k_cache, v_cache: [B, S, K, H] the head's cache; start: [B] int32 entries already cached.
     Returns:
       (out [B, T, D] after ``mtp.norm``, k_cache, v_cache) with rows [start, start + T) written.
     """
-    mtp = target.mtp
-    e = mtp.pre_fc_norm_embedding(target.model.embed_tokens(tokens))
+    e = mtp.pre_fc_norm_embedding(view.embed(tokens))
     h = mtp.pre_fc_norm_hidden(hidden.astype(e.dtype))
     x = mtp.fc(jnp.concatenate([e, h], axis=-1))  # [B, T, D]; the order [embedding, hidden] is the checkpoint's
     x, kv = mtp.layers[0].attend(x, AttentionCache(k_cache, v_cache), start)
@@ -68,13 +70,16 @@ class MTPState:
 class MTPProposer:
     """Drafts with the target's MTP head; ``num_steps`` (vLLM's num_speculative_tokens) is k at most.
 
-    Proposer params are unused (pass ``()``): the head lives in the target's params, which the loop
-    already merges into ``target``. ``init`` needs the prompt tokens, which the entries pair with.
+    Its params are the head's weights, the target's ``mtp`` subtree: pass
+    ``(MTPProposer(target.cfg, k), target.params["mtp"])`` where a drafter goes (``mtp_params``
+    says why a target has none). ``init`` needs the prompt tokens, which the entries pair with.
     """
 
     cfg: TargetConfig
     num_steps: int
     taps: tuple[int, ...] = ()
+    # The head's graph, derived from cfg (so equal configs give equal, hashable proposers).
+    graphdef: nnx.GraphDef = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.cfg.mtp_num_hidden_layers != 1:
@@ -82,25 +87,33 @@ class MTPProposer:
                              f"mtp_num_hidden_layers={self.cfg.mtp_num_hidden_layers}")
         if not 1 <= self.num_steps <= 15:
             raise ValueError(f"num_steps must be in 1..15, got {self.num_steps}")
+        head = nnx.eval_shape(lambda: MTP(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        object.__setattr__(self, "graphdef", nnx.graphdef(head))
 
     @property
     def max_block(self) -> int:
         return self.num_steps + 1
 
-    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
+    def head(self, params) -> MTP:
+        """The head module from its params (the target's ``mtp`` subtree)."""
+        if not isinstance(params, nnx.State) or "fc" not in params:
+            raise ValueError("MTPProposer's params are the target's MTP head: pass mtp_params(target) "
+                             f"(target.params['mtp']), got {type(params).__name__}")
+        return nnx.merge(self.graphdef, params)
+
+    def init(self, *, params, view: TargetView, prefill: TargetOutput, prompts, prompt_lens, capacity):
         """Writes the prompt's entries 0 .. P-2 and parks h_{P-1}, which waits for the first token.
 
         Args:
           prefill: the target's prefill output (``hidden`` [B, P, D]); prompt_lens: [B];
           capacity: cache length S (the target's); prompts: [B, P] int32, right-padded.
         """
-        if target.mtp is None:
-            raise ValueError("the target has no MTP head: load it with load_target(path, mtp=True)")
+        mtp = self.head(params)
         cfg, B = self.cfg, prompt_lens.shape[0]
         kv = jnp.zeros((B, capacity, cfg.num_key_value_heads, cfg.head_dim), prefill.hidden.dtype)
         # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.
         shifted = jnp.pad(jnp.asarray(prompts, jnp.int32)[:, 1:], ((0, 0), (0, 1)))
-        _, k, v = mtp_step(target, shifted, prefill.hidden, kv, kv, jnp.zeros((B,), jnp.int32))
+        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kv, kv, jnp.zeros((B,), jnp.int32))
         last = jnp.take_along_axis(prefill.hidden, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, D]
         W = self.max_block
         return MTPState(k=k, v=v, length=(prompt_lens - 1).astype(jnp.int32),
@@ -108,30 +121,30 @@ class MTPProposer:
                         hidden=jnp.pad(last, ((0, 0), (0, W - 1), (0, 0))),
                         count=jnp.ones((B,), jnp.int32))
 
-    def propose(self, target: Qwen35ForCausalLM, params, state: MTPState, anchor, k: int, keys,
+    def propose(self, *, params, view: TargetView, state: MTPState, anchor, k: int, keys,
                 sampling: SamplingConfig):
         """One wide pass over the pending entries (width k + 1, the block size), then k - 1 narrow ones.
 
         Returns (drafts [B, k], q [B, k, V] or None, state); ``keys`` [B] seed the sampled drafts.
         """
-        B = anchor.shape[0]
+        mtp, B = self.head(params), anchor.shape[0]
         j = jnp.arange(k + 1)[None, :]
         last = state.count - 1  # [B] the newest pending entry: its token is the anchor
         tokens = jnp.where(j == last[:, None], anchor[:, None], state.tokens[:, :k + 1])
-        out, kc, vc = mtp_step(target, tokens, state.hidden[:, :k + 1], state.k, state.v, state.length)
+        out, kc, vc = mtp_step(mtp, view, tokens, state.hidden[:, :k + 1], state.k, state.v, state.length)
         length = state.length + state.count
         # Rows with count 0 (finished) index entry 0: their drafts are ignored by the loop.
         h = jnp.take_along_axis(out, jnp.maximum(last, 0)[:, None, None], axis=1)  # [B, 1, D]
         step_keys = jax.vmap(lambda key: jax.random.split(key, max(k, 1)))(keys)  # [B, k]
 
         def draft(h, key):
-            d, q = draft_tokens(target.logits(h), key, sampling)
+            d, q = draft_tokens(view.logits(h), key, sampling)
             return d[:, 0], q
 
         def deeper(carry, key):
             # The head's post-norm output stands in for the target's hidden one position further on.
             kc, vc, h, d, pos = carry
-            h, kc, vc = mtp_step(target, d[:, None], h, kc, vc, pos)
+            h, kc, vc = mtp_step(mtp, view, d[:, None], h, kc, vc, pos)
             d_next, q = draft(h, key)
             return (kc, vc, h, d_next, pos + 1), (d_next, q)
 
@@ -145,8 +158,16 @@ class MTPProposer:
                        hidden=state.hidden, count=jnp.zeros((B,), jnp.int32))
         return drafts, q, new
 
-    def commit(self, target, params, state: MTPState, verified: TargetOutput, n):
+    def commit(self, *, params, view, state: MTPState, verified: TargetOutput, n):
         """Parks the hidden states of the n kept tokens [anchor, d_1 .. d_{n-1}]; see ``MTPState``."""
         W = state.hidden.shape[1]
         hidden = jnp.pad(verified.hidden, ((0, 0), (0, W - verified.hidden.shape[1]), (0, 0)))
         return dataclasses.replace(state, hidden=hidden.astype(state.hidden.dtype), count=n.astype(jnp.int32))
+
+
+def mtp_params(target: Target) -> nnx.State:
+    """The MTP proposer's params: the target's ``mtp`` subtree (a clear error when it has no head)."""
+    if "mtp" not in target.params:
+        raise ValueError("the target has no MTP head: load it with load_target(path, mtp=True) from a checkpoint "
+                         "with mtp.* weights")
+    return target.params["mtp"]

@@ -1,20 +1,23 @@
-"""Draft proposers behind one interface, so the loop in ``speculative.py`` does not care who drafts.
+"""Draft proposers behind one typed interface, so the loop in ``speculative.py`` does not care who drafts.
 
-A proposer is a frozen, hashable description (static under jit) with three pure methods:
-``init`` after the target's prefill (it also gets the prompt tokens [B, P]), ``propose`` of k
-drafts after the anchor, and ``commit`` of the n tokens the target kept. Its parameters travel
-separately as a pytree. ``taps`` names the target layers whose outputs it consumes (the target
-returns them from prefill and verify).
+A proposer is a frozen, hashable description (static under jit) implementing ``Proposer``: three pure,
+keyword-only methods, ``init`` after the target's prefill, ``propose`` of k drafts after the anchor
+and ``commit`` of the n tokens the target kept. Its parameters travel separately as a pytree
+(``params``), like the target's. What a proposer may use of the target is a ``TargetView``: the
+embedding and the LM head, nothing else; ``taps`` names the target layers whose outputs it consumes
+(the target returns them from prefill and verify, in ``TargetOutput.taps``).
 
 - ``NoProposer``: no drafts; the loop becomes plain autoregressive decoding (the baseline).
 - ``DFlashProposer``: the block-diffusion drafter, one pass per block, fed by KV injection.
 - ``OracleProposer``: replays a known continuation with an error at a chosen offset per step, so
   that every acceptance count occurs (tests, and benchmarks that isolate loop cost from drafter quality).
+- ``MTPProposer`` (in ``mtp.py``): Qwen3.5's own multi-token-prediction head.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +25,57 @@ from flax import nnx
 
 from dflash_jax import drafter as dr
 from dflash_jax.sampling import SamplingConfig, draft_tokens
-from dflash_jax.target import Qwen35ForCausalLM, TargetOutput
+from dflash_jax.target import TargetOutput
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetView:
+    """The part of the target a proposer reads: its token embedding and LM head (arrays, no module).
+
+    Built by the loop from the target's params (``TargetView.of``), without merging the target module.
+    """
+
+    embedding: jax.Array  # [V, D]
+    lm_head: jax.Array | None  # [V, D]; None: tied to the embedding
+
+    @classmethod
+    def of(cls, params) -> TargetView:
+        """The view of a target's params (the ``nnx.State`` of a ``Qwen35ForCausalLM``)."""
+        head = params["lm_head"]["weight"].get_value() if "lm_head" in params else None
+        return cls(embedding=params["model"]["embed_tokens"]["weight"].get_value(), lm_head=head)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [...] -> embeddings [..., D]."""
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [..., D] -> logits [..., V]."""
+        return jnp.einsum("...d,vd->...v", h, self.embedding if self.lm_head is None else self.lm_head)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the loop calls. Shapes: B rows, k drafts, V vocab; ``state`` is the proposer's own pytree.
+
+    - ``init(params, view, prefill, prompts [B, P], prompt_lens [B], capacity S) -> state``, after the
+      target's prefill (``prefill``: its ``TargetOutput``).
+    - ``propose(params, view, state, anchor [B], k, keys [B], sampling) -> (drafts [B, k], q, state)``:
+      q [B, k, V] is the drafts' distribution, or None when the drafts are the argmax (q one-hot).
+    - ``commit(params, view, state, verified, n [B]) -> state``: the target kept the first n of
+      ``[anchor, d_1 .. d_k]`` (``verified``: the verify's ``TargetOutput``).
+    """
+
+    taps: tuple[int, ...]  # target layers whose outputs the proposer consumes
+    max_block: int  # the largest block (anchor + drafts) it can draft
+
+    def init(self, *, params, view: TargetView, prefill: TargetOutput, prompts: jax.Array,
+             prompt_lens: jax.Array, capacity: int) -> Any: ...
+
+    def propose(self, *, params, view: TargetView, state, anchor: jax.Array, k: int, keys: jax.Array,
+                sampling: SamplingConfig) -> tuple[jax.Array, jax.Array | None, Any]: ...
+
+    def commit(self, *, params, view: TargetView, state, verified: TargetOutput, n: jax.Array) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +85,13 @@ class NoProposer:
     taps: tuple[int, ...] = ()
     max_block: int = 1
 
-    def init(self, target, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
+    def init(self, *, params, view, prefill, prompts, prompt_lens, capacity):
         return ()
 
-    def propose(self, target, params, state, anchor, k: int, keys, sampling: SamplingConfig):
+    def propose(self, *, params, view, state, anchor, k, keys, sampling):
         return jnp.zeros((anchor.shape[0], k), jnp.int32), None, state
 
-    def commit(self, target, params, state, verified: TargetOutput, n):
+    def commit(self, *, params, view, state, verified, n):
         return state
 
 
@@ -57,22 +110,22 @@ class DFlashProposer:
     def max_block(self) -> int:
         return self.cfg.block_size
 
-    def init(self, target: Qwen35ForCausalLM, params, prefill: TargetOutput, prompt_lens, capacity, prompts):
+    def init(self, *, params, view, prefill: TargetOutput, prompts, prompt_lens, capacity):
         model = nnx.merge(self.graphdef, params)
         cache = dr.init_draft_cache(self.cfg, prompt_lens.shape[0], capacity, prefill.taps.dtype)
         return dr.advance(dr.write_context(model, cache, prefill.taps), prompt_lens)
 
-    def propose(self, target: Qwen35ForCausalLM, params, cache, anchor, k: int, keys, sampling):
+    def propose(self, *, params, view: TargetView, state, anchor, k, keys, sampling):
         model = nnx.merge(self.graphdef, params)
         block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
                                                            jnp.int32)], axis=1)  # [B, k+1]
-        hidden, cache = dr.draft_block(model, cache, target.model.embed_tokens(block))
-        drafts, q = draft_tokens(target.logits(hidden[:, 1:]), keys, sampling)
+        hidden, cache = dr.draft_block(model, state, view.embed(block))
+        drafts, q = draft_tokens(dr.draft_logits(self.cfg, view.logits(hidden[:, 1:])), keys, sampling)
         return drafts, q, cache
 
-    def commit(self, target, params, cache, verified: TargetOutput, n):
+    def commit(self, *, params, view, state, verified: TargetOutput, n):
         model = nnx.merge(self.graphdef, params)
-        return dr.advance(dr.write_context(model, cache, verified.taps), n)
+        return dr.advance(dr.write_context(model, state, verified.taps), n)
 
 
 @jax.tree_util.register_dataclass
@@ -94,11 +147,11 @@ class OracleProposer:
     taps: tuple[int, ...] = ()
     max_block: int = 1 << 30
 
-    def init(self, target, params: OracleParams, prefill, prompt_lens, capacity, prompts):
+    def init(self, *, params: OracleParams, view, prefill, prompts, prompt_lens, capacity):
         B = prompt_lens.shape[0]
         return jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)  # anchor index, step
 
-    def propose(self, target, params: OracleParams, state, anchor, k: int, keys, sampling):
+    def propose(self, *, params: OracleParams, view, state, anchor, k, keys, sampling):
         pos, step = state
         B, L = params.continuation.shape
         idx = jnp.minimum(pos[:, None] + 1 + jnp.arange(k)[None, :], L - 1)
@@ -107,6 +160,6 @@ class OracleProposer:
         wrong = jnp.arange(k)[None, :] == offset[:, None]
         return jnp.where(wrong, (drafts + 1) % self.vocab_size, drafts).astype(jnp.int32), None, state
 
-    def commit(self, target, params, state, verified, n):
+    def commit(self, *, params, view, state, verified, n):
         pos, step = state
         return pos + n, step + 1

@@ -12,6 +12,8 @@ way every emitted token has exactly the target's distribution.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +35,18 @@ class SamplingConfig:
     draft_mode: str = "greedy"
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))  # numpy scalars too: equal settings hash alike
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft_mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
 

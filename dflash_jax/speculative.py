@@ -1,22 +1,31 @@
 """The speculative decoding loop: prefill, then propose -> verify -> accept -> commit, all on device.
 
 This is the top of the library's data flow: it drives ``target.py`` (prefill, verify, commit),
-a proposer from ``proposers.py`` and the rules in ``sampling.py``. ``make_generate`` returns a pure
-function ``(params, prompts, prompt_lens, rng) -> GenerateOutput`` that runs the whole generation in
-one ``lax.while_loop`` (no host round trip per step), which users may ``jax.jit``, ``jax.export``
-or shard. ``stream`` runs the same jitted step from Python and yields tokens as they are committed.
+a proposer from ``proposers.py`` (or ``mtp.py``) and the rules in ``sampling.py``. One configuration
+(target graph, proposer, ``SpecConfig``) is a ``SpeculativeLoop``: a frozen, hashable object whose
+phases are jitted with the object itself static, so equal configurations share compiled programs
+across calls. ``make_generate`` returns a pure function ``(params, prompts, prompt_lens, rng) ->
+GenerateOutput`` that runs the whole generation in one ``lax.while_loop`` (no host round trip per
+step), which users may ``jax.jit``, ``jax.export`` or shard. ``stream`` runs the same jitted step from
+Python and yields tokens as they are committed.
 
 Per row the invariant is: tokens processed by the target = prompt + emitted - 1; the last emitted
 token (the anchor) is processed by the next verify, as the first token of the block
 ``[anchor, d_1 .. d_k]``. A step emits the a accepted drafts and the bonus token, and commits the
 anchor plus the a drafts (n = a + 1) in the target and the proposer. Block size 1 (no drafts) is
 plain autoregressive decoding through the same code: the baseline every speed-up is measured against.
+A row whose target logits are not finite (NaN weights, overflow) stops with ``FinishReason.NONFINITE``
+and emits nothing from that step on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import numbers
+import os
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -24,13 +33,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax.cache import TargetCache, commit
-from dflash_jax.proposers import DFlashProposer, NoProposer
+from dflash_jax.cache import TargetCache, init_cache
+from dflash_jax.config import TargetConfig
+from dflash_jax.proposers import DFlashProposer, NoProposer, Proposer, TargetView
 from dflash_jax.sampling import SamplingConfig, accept, choose
-from dflash_jax.target import Target, prefill, verify
+from dflash_jax.target import Target, TargetOutput, commit, prefill, verify
 
-RUNNING, STOPPED, LENGTH = 0, 1, 2
-FINISH_REASONS = {RUNNING: "running", STOPPED: "stop", LENGTH: "length"}
+
+class FinishReason(enum.IntEnum):
+    """Why a row stopped (``GenerateOutput.finish_reason``); RUNNING only inside the loop."""
+
+    RUNNING = 0
+    STOP = 1  # emitted a stop id
+    LENGTH = 2  # emitted max_new_tokens
+    NONFINITE = 3  # the target's logits were NaN or infinite (after the temperature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +66,10 @@ class SpecConfig:
     capacity: int | None = None
 
     def __post_init__(self):
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("block_size", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +80,7 @@ class LoopState:
     anchor: jax.Array  # [B] last emitted token, not yet processed by the target
     out: jax.Array  # [B, max_new_tokens + block] emitted tokens (valid up to n_out)
     n_out: jax.Array  # [B]
-    finish: jax.Array  # [B] RUNNING / STOPPED / LENGTH
+    finish: jax.Array  # [B] FinishReason
     keys: jax.Array  # [B] per-row PRNG keys
     step: jax.Array  # [] loop iteration
     steps: jax.Array  # [B] target steps each row took part in
@@ -73,10 +89,30 @@ class LoopState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Draft:
+    """The draft phase's result: k drafts per row after the anchor."""
+
+    tokens: jax.Array  # [B, k] int32
+    q: jax.Array | None  # [B, k, V] their distribution, None when they are the drafter's argmax
+    proposer: object  # the proposer's state after proposing
+    accept_keys: jax.Array  # [B] PRNG keys of this step's acceptance
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """The check phase's result: the target's verdict on ``[anchor, d_1 .. d_k]``, nothing decided yet."""
+
+    out: TargetOutput  # logits [B, k+1, V], taps, hidden
+    cache: TargetCache  # K/V rows written, GDN inputs pending: commit(cache, n) keeps n of them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class GenerateOutput:
     tokens: jax.Array  # [B, max_new_tokens] int32, -1 past each row's length
     lengths: jax.Array  # [B] tokens emitted per row
-    finish_reason: jax.Array  # [B] STOPPED (a stop id) or LENGTH (max_new_tokens); see FINISH_REASONS
+    finish_reason: jax.Array  # [B] FinishReason (STOP, LENGTH or NONFINITE); names: finish_names()
     steps: jax.Array  # [B] target verify steps per row (the first token comes from prefill)
     accepted: jax.Array  # [B, block] how often 0..block-1 drafts were accepted
 
@@ -86,10 +122,14 @@ class GenerateOutput:
         counts = jnp.arange(1, self.accepted.shape[1] + 1)
         return (self.accepted * counts).sum(-1) / jnp.maximum(self.steps, 1)
 
-    def texts(self) -> list[list[int]]:
-        """Per-row token lists, cut at each row's length."""
+    def token_lists(self) -> list[list[int]]:
+        """Per-row token ids, cut at each row's length."""
         tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
         return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+    def finish_names(self) -> list[str]:
+        """Per-row finish reason names: "stop", "length" or "nonfinite"."""
+        return [FinishReason(int(r)).name.lower() for r in np.asarray(self.finish_reason)]
 
 
 def _row_keys(rng, batch: int) -> jax.Array:
@@ -108,138 +148,264 @@ def _write(out, n_out, tokens):
     return jax.vmap(lambda o, s, t: jax.lax.dynamic_update_slice_in_dim(o, t, s, axis=0))(out, n_out, tokens)
 
 
-class _Loop:
-    """init / step / finish of one configuration; shared by make_generate and stream."""
+@functools.cache
+def _memory_bytes() -> tuple[int | None, str]:
+    """(bytes of memory the default device can hold, its name): the accelerator's limit, else host RAM."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), str(device)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"{device} (host memory)"
+    except (ValueError, OSError, AttributeError):
+        return None, str(device)
 
-    def __init__(self, target: Target, proposer, spec: SpecConfig):
-        if spec.block_size > 1 and isinstance(proposer, NoProposer):
-            raise ValueError(f"block_size {spec.block_size} needs a drafter (no proposer was given)")
-        if spec.block_size > proposer.max_block:
-            raise ValueError(f"block_size {spec.block_size} exceeds the proposer's block size {proposer.max_block}")
-        self.cfg, self.graphdef, self.proposer, self.spec = target.cfg, target.graphdef, proposer, spec
-        stop = target.cfg.eos_token_ids if spec.stop_ids is None else spec.stop_ids
-        self.stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
 
-    def capacity(self, bucket: int) -> int:
-        need = bucket + self.spec.max_new_tokens + self.spec.block_size
-        if self.spec.capacity is None:
-            return need
-        if self.spec.capacity < need:
-            raise ValueError(f"cache capacity {self.spec.capacity} is too small: prompt bucket {bucket} + "
-                             f"max_new_tokens {self.spec.max_new_tokens} + block_size {self.spec.block_size} = {need}")
-        return self.spec.capacity
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeLoop:
+    """One configuration of the loop: the target's config and graph, the proposer, the spec (all static).
 
+    Every phase is a jitted method with the loop itself static: equal loops (equal fields) share
+    their compiled programs, so a second call with the same shapes compiles nothing. ``params`` is
+    always ``(target params, proposer params)``. The phases of one step, public so that benchmarks
+    time and profile the programs the loop runs:
+
+    - ``init(params, prompts, prompt_lens, rng) -> LoopState``: prefill, the first token, the proposer's init.
+    - ``draft(params, state) -> Draft``; ``check(params, state, draft) -> Verified``;
+      ``settle(params, state, draft, verified) -> LoopState`` (accept, emit, commit).
+    - ``step(params, state)``: the three in one program, the state donated.
+    - ``decode(params, state) -> GenerateOutput``: steps in a ``lax.while_loop`` until every row has
+      finished (state donated); ``output(state)``: the output of a state; ``run``: init + decode.
+    """
+
+    cfg: TargetConfig
+    graphdef: nnx.GraphDef
+    proposer: Proposer
+    spec: SpecConfig
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        block = self.spec.block_size
+        if block > 1 and isinstance(self.proposer, NoProposer):
+            raise ValueError(f"block_size {block} needs a drafter (no proposer was given)")
+        if block > self.proposer.max_block:
+            raise ValueError(f"block_size {block} exceeds the proposer's block size {self.proposer.max_block}")
+        if self.spec.sampling.top_k > self.cfg.vocab_size:
+            raise ValueError(f"top_k {self.spec.sampling.top_k} exceeds the target's vocabulary of "
+                             f"{self.cfg.vocab_size}")
+        # Hashed on every jitted call: the graphs are large, so hash them once.
+        object.__setattr__(self, "_hash", hash((self.cfg, self.graphdef, self.proposer, self.spec)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @classmethod
+    def of(cls, target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig()):
+        return cls(cfg=target.cfg, graphdef=target.graphdef, proposer=proposer, spec=spec)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        stop = self.cfg.eos_token_ids if self.spec.stop_ids is None else self.spec.stop_ids
+        return tuple(stop) if stop else (-1,)
+
+    def capacity(self, batch: int, bucket: int, dtype) -> int:
+        """The target cache length for a [batch, bucket] prompt batch; a clear error if it cannot be held."""
+        max_new, block = self.spec.max_new_tokens, self.spec.block_size
+        need = bucket + max_new + block
+        capacity = need if self.spec.capacity is None else self.spec.capacity
+        if capacity < need:
+            raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "
+                             f"max_new_tokens {max_new} + block_size {block} = {need}")
+        cache = jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype))
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + batch * (max_new + block) * 4
+        memory, device = _memory_bytes()
+        if capacity >= 2**31 - 1 or (memory is not None and nbytes > memory):
+            held = "" if memory is None else f" ({memory / 2**30:.1f} GiB on {device})"
+            raise ValueError(f"max_new_tokens {max_new} cannot be held: {batch} rows of {capacity} cache positions "
+                             f"need {nbytes / 2**30:.1f} GiB for the target's cache and the output alone, more "
+                             f"than the memory{held}; lower max_new_tokens or the batch")
+        limit = getattr(self.cfg, "max_position_embeddings", None)
+        if limit and bucket + max_new > limit:
+            warnings.warn(f"prompt bucket {bucket} + max_new_tokens {max_new} = {bucket + max_new} exceeds the "
+                          f"target's max_position_embeddings {limit}: positions past it are untrained",
+                          stacklevel=2)
+        return capacity
+
+    def _finite(self, logits):
+        """Logits [..., V] -> [...] True where they are finite after the temperature (one reduction)."""
+        t = self.spec.sampling.temperature
+        peak = jnp.max(jnp.abs(logits.astype(jnp.float32)), axis=-1)  # NaN propagates through max
+        return jnp.isfinite(peak / t if t > 0 else peak)
+
+    @functools.partial(jax.jit, static_argnames="self")
     def init(self, params, prompts, prompt_lens, rng) -> LoopState:
+        """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token."""
         tparams, pparams = params
+        prompts, prompt_lens = prompts.astype(jnp.int32), prompt_lens.astype(jnp.int32)
         B, P = prompts.shape
-        capacity = self.capacity(P)
+        view = TargetView.of(tparams)
+        capacity = self.capacity(B, P, view.embedding.dtype)
         keys = _row_keys(rng, B)
         out, cache = prefill(self.graphdef, tparams, prompts, prompt_lens, capacity=capacity,
                              taps=self.proposer.taps)
         first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
-        target = nnx.merge(self.graphdef, tparams)
-        state = self.proposer.init(target, pparams, out, prompt_lens, capacity, prompts)
+        state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
+                                   prompt_lens=prompt_lens, capacity=capacity)
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
-        finish = jnp.where(jnp.isin(first, self.stop_ids), STOPPED, jnp.where(max_new == 1, LENGTH, RUNNING))
+        finite = self._finite(out.logits)
+        finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
+                           jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
         return LoopState(
             cache=cache, proposer=state, anchor=first,
             out=jnp.zeros((B, max_new + block), jnp.int32).at[:, 0].set(first),
-            n_out=jnp.ones((B,), jnp.int32), finish=finish.astype(jnp.int32), keys=keys,
+            n_out=finite.astype(jnp.int32),
+            finish=jnp.where(finite, finish, FinishReason.NONFINITE).astype(jnp.int32), keys=keys,
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
             accepted=jnp.zeros((B, block), jnp.int32))
 
-    def draft(self, params, s: LoopState):
-        """Phase 1: the proposer's k drafts after each row's anchor -> (drafts, q, proposer state, keys)."""
+    @functools.partial(jax.jit, static_argnames="self")
+    def draft(self, params, state: LoopState) -> Draft:
+        """Phase 1: the proposer's k = block_size - 1 drafts after each row's anchor."""
         tparams, pparams = params
-        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, s.step)))(s.keys)  # [B, 2]
-        target = nnx.merge(self.graphdef, tparams)
-        drafts, q, pstate = self.proposer.propose(target, pparams, s.proposer, s.anchor, self.spec.block_size - 1,
-                                                  keys[:, 0], self.spec.sampling)
-        return drafts, q, pstate, keys
+        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, state.step)))(state.keys)  # [B, 2]
+        tokens, q, pstate = self.proposer.propose(
+            params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
+            k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
+        return Draft(tokens=tokens, q=q, proposer=pstate, accept_keys=keys[:, 1])
 
-    def check(self, params, s: LoopState, drafts):
-        """Phase 2: the target verifies [anchor, d_1 .. d_k] -> (TargetOutput, cache with pending rows)."""
-        block = jnp.concatenate([s.anchor[:, None], drafts], axis=1)  # [B, k+1]
-        return verify(self.graphdef, params[0], block, s.cache, taps=self.proposer.taps)
+    @functools.partial(jax.jit, static_argnames="self")
+    def check(self, params, state: LoopState, draft: Draft) -> Verified:
+        """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
+        block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1]
+        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps)
+        return Verified(out=out, cache=cache)
 
-    def settle(self, params, s: LoopState, drafts, q, pstate, keys, verified, vcache) -> LoopState:
-        """Phase 3: accept, emit (cut at stop ids and max_new_tokens), commit target and proposer."""
+    @functools.partial(jax.jit, static_argnames="self")
+    def settle(self, params, state: LoopState, draft: Draft, verified: Verified) -> LoopState:
+        """Phase 3: accept, emit (cut at stop ids, max_new_tokens, non-finite logits), commit target and proposer."""
         tparams, pparams = params
-        k = self.spec.block_size - 1
-        active = s.finish == RUNNING
-        a, bonus = accept(drafts, q, verified.logits, keys[:, 1], self.spec.sampling)
-        # Emitted this step: d_1 .. d_a, then the bonus at index a; cut after a stop id and at max_new_tokens.
+        k, max_new = self.spec.block_size - 1, self.spec.max_new_tokens
+        s, logits = state, verified.out.logits
+        a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, self.spec.sampling)
+        # Emitted this step: d_1 .. d_a, then the bonus at index a; token j is decided by the logits at j.
+        # Cut after a stop id, at max_new_tokens, and before the first non-finite logits the rules read.
         j = jnp.arange(k + 1)[None, :]
-        emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])
-        is_stop = jnp.isin(emitted, self.stop_ids) & (j <= a[:, None])
+        bad = ~self._finite(logits) & (j <= a[:, None])  # [B, k+1]
+        first_bad = jnp.where(bad.any(1), jnp.argmax(bad, axis=1), k + 1)
+        active = s.finish == FinishReason.RUNNING
+        emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])
+        is_stop = jnp.isin(emitted, jnp.asarray(self.stop_ids)) & (j <= a[:, None])
         first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), k + 1)
-        room = self.spec.max_new_tokens - s.n_out
-        count = jnp.where(active, jnp.minimum(jnp.minimum(a + 1, first_stop + 1), room), 0)
+        count = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), jnp.minimum(max_new - s.n_out, first_bad))
+        count = jnp.where(active, count, 0)
         n_out = s.n_out + count
-        stopped = active & (first_stop < count)
-        finish = jnp.where(stopped, STOPPED, jnp.where(active & (n_out >= self.spec.max_new_tokens), LENGTH,
-                                                        s.finish))
-        n = jnp.where(active, a + 1, 0)
-        target = nnx.merge(self.graphdef, tparams)
+        finish = jnp.where(first_stop < count, FinishReason.STOP,
+                           jnp.where(n_out >= max_new, FinishReason.LENGTH,
+                                     jnp.where(first_bad <= k, FinishReason.NONFINITE, FinishReason.RUNNING)))
+        finish = jnp.where(active, finish, s.finish)
+        n = jnp.where(active, a + 1, 0)  # a row that finished here commits too; nothing reads it again
+        pstate = self.proposer.commit(params=pparams, view=TargetView.of(tparams), state=draft.proposer,
+                                      verified=verified.out, n=n)
         return LoopState(
-            cache=commit(vcache, n),
-            proposer=self.proposer.commit(target, pparams, pstate, verified, n),
-            anchor=jnp.where(active, bonus, s.anchor),
+            cache=commit(verified.cache, n), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
-            accepted=s.accepted + (active[:, None] & (j == a[:, None])))
+            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None])))
 
-    def step(self, params, s: LoopState) -> LoopState:
-        drafts, q, pstate, keys = self.draft(params, s)
-        verified, vcache = self.check(params, s, drafts)
-        return self.settle(params, s, drafts, q, pstate, keys, verified, vcache)
+    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
+    def step(self, params, state: LoopState) -> LoopState:
+        """One target step: draft, check, settle."""
+        draft = self.draft(params, state)
+        return self.settle(params, state, draft, self.check(params, state, draft))
 
-    def decode(self, params, s: LoopState) -> GenerateOutput:
+    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
+    def decode(self, params, state: LoopState) -> GenerateOutput:
         """Steps until every row has finished, on device, then the output."""
-        s = jax.lax.while_loop(lambda s: jnp.any(s.finish == RUNNING), functools.partial(self.step, params), s)
-        return self.finish(s)
+        state = jax.lax.while_loop(lambda s: jnp.any(s.finish == FinishReason.RUNNING),
+                                   functools.partial(self.step, params), state)
+        return self.output(state)
 
-    def finish(self, s: LoopState) -> GenerateOutput:
+    @functools.partial(jax.jit, static_argnames="self")
+    def output(self, state: LoopState) -> GenerateOutput:
         max_new = self.spec.max_new_tokens
-        valid = jnp.arange(max_new)[None, :] < s.n_out[:, None]
-        return GenerateOutput(tokens=jnp.where(valid, s.out[:, :max_new], -1), lengths=s.n_out,
-                              finish_reason=s.finish, steps=s.steps, accepted=s.accepted)
+        valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
+        return GenerateOutput(tokens=jnp.where(valid, state.out[:, :max_new], -1), lengths=state.n_out,
+                              finish_reason=state.finish, steps=state.steps, accepted=state.accepted)
+
+    @functools.partial(jax.jit, static_argnames="self")
+    def run(self, params, prompts, prompt_lens, rng) -> GenerateOutput:
+        """The whole generation: init, then decode."""
+        return self.decode(params, self.init(params, prompts, prompt_lens, rng))
 
 
-def make_generate(target: Target, proposer=NoProposer(), spec: SpecConfig = SpecConfig()):
+def _check_prompt_lens(prompts, prompt_lens) -> None:
+    """Concrete prompts [B, P] and prompt_lens [B] must agree and every length lie in 1..P."""
+    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
+        return  # traced by the caller's jit: shapes are checked at trace time, values cannot be
+    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
+    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
+    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
+    if bad.size:
+        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
+
+
+def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
+    if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
+        raise ValueError(f"prompt {b}: token ids must be a flat list of integers, got dtype {row.dtype}, "
+                         f"shape {row.shape}")
+    if vocab_size is not None and row.size:
+        bad = row[(row < 0) | (row >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig()):
     """A pure generate function for one (target, proposer, spec) configuration.
 
     Args:
       target: the loaded target (its config and graph are used; its params are passed at call time).
-      proposer: ``NoProposer()`` (plain decoding), ``DFlashProposer`` or ``OracleProposer``.
+      proposer: ``NoProposer()`` (plain decoding), ``DFlashProposer``, ``MTPProposer`` or ``OracleProposer``.
       spec: block size, max_new_tokens, sampling, stop ids, capacity.
     Returns:
       ``fn(params, prompts [B, P] int32 right-padded, prompt_lens [B], rng) -> GenerateOutput`` where
       params = (target params, proposer params) and rng is a key, a [B] batch of keys, or an int seed.
+      Concrete prompts are checked (token ids in the vocabulary, lengths in 1..P) before compiling.
     """
-    loop = _Loop(target, proposer, spec)
+    loop = SpeculativeLoop.of(target, proposer, spec)
+    vocab = target.cfg.vocab_size
 
     def generate_fn(params, prompts, prompt_lens, rng):
-        state = loop.init(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
-        return loop.decode(params, state)
+        _check_prompt_lens(prompts, prompt_lens)
+        if not isinstance(prompts, jax.core.Tracer):
+            concrete, lens = np.asarray(prompts), np.asarray(prompt_lens)
+            for b in range(concrete.shape[0]):
+                _check_token_ids(concrete[b, :lens[b]], b, vocab)
+        return loop.run(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
 
     return generate_fn
 
 
-def pad_prompts(prompts, bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pads token lists into [B, P] (P = bucket, default the longest prompt) and returns lengths."""
-    prompts = [list(p) for p in prompts]
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    if len(prompts) == 0:
+def pad_prompts(prompts, bucket: int | None = None, *,
+                vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists into [B, P] (P = bucket, default the longest prompt) and returns lengths.
+
+    Token ids must be integers, in [0, vocab_size) when it is given.
+    """
+    rows = [np.asarray(list(p)) for p in prompts]
+    if len(rows) == 0:
         raise ValueError("no prompts given")
+    for b, row in enumerate(rows):
+        _check_token_ids(row, b, vocab_size)
+    lengths = np.array([len(r) for r in rows], np.int32)
     if (lengths == 0).any():
         raise ValueError(f"empty prompt at row {int(np.argmin(lengths))}: every prompt needs at least one token")
     bucket = int(lengths.max()) if bucket is None else bucket
     if lengths.max() > bucket:
         raise ValueError(f"prompt of {lengths.max()} tokens does not fit the bucket of {bucket}")
-    out = np.zeros((len(prompts), bucket), np.int32)
-    for b, p in enumerate(prompts):
-        out[b, :len(p)] = p
+    out = np.zeros((len(rows), bucket), np.int32)
+    for b, row in enumerate(rows):
+        out[b, :len(row)] = row
     return out, lengths
 
 
@@ -248,10 +414,11 @@ def bucket_for(length: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(length) - 1).bit_length())
 
 
-def _setup(target: Target, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids):
-    """(proposer, params, spec) for a target and an optional drafter; block size 1 drops the drafter.
+def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids):
+    """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
 
-    ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g. the MTP head).
+    ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
+    ``(MTPProposer(cfg, k), mtp_params(target))``); block size 1 drops it.
     """
     if drafter is None:
         proposer, pparams = NoProposer(), ()
@@ -262,27 +429,24 @@ def _setup(target: Target, drafter, block_size: int | None, max_new_tokens, samp
     block = (proposer.max_block if drafter is not None else 1) if block_size is None else block_size
     spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
     if block == 1:
-        return NoProposer(), (target.params, ()), spec
-    return proposer, (target.params, pparams), spec
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled(cfg, graphdef, proposer, spec):
-    return jax.jit(make_generate(Target(cfg, graphdef, None), proposer, spec))
+        proposer, pparams = NoProposer(), ()
+    rows = [list(p) for p in prompts]
+    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
+                                  vocab_size=target.cfg.vocab_size)
+    return SpeculativeLoop.of(target, proposer, spec), (target.params, pparams), tokens, lengths
 
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
              rng=0) -> GenerateOutput:
-    """Generates for a list of token-id prompts (the jitted convenience around ``make_generate``).
+    """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
 
     Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
     compiled program. Without a drafter (or with block_size=1) this is plain decoding; block_size
     defaults to the drafter's.
     """
-    proposer, params, spec = _setup(target, drafter, block_size, max_new_tokens, sampling, stop_ids)
-    tokens, lengths = pad_prompts(prompts, bucket_for(max(len(p) for p in prompts)))
-    return _compiled(target.cfg, target.graphdef, proposer, spec)(params, tokens, lengths, rng)
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids)
+    return loop.run(params, tokens, lengths, rng)
 
 
 def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
@@ -293,16 +457,14 @@ def stream(target: Target, prompts, *, drafter=None, block_size: int | None = No
     The host drives the same jitted step the on-device loop runs, so the tokens are identical.
     The generator's return value (``StopIteration.value``) is the final ``GenerateOutput``.
     """
-    proposer, params, spec = _setup(target, drafter, block_size, max_new_tokens, sampling, stop_ids)
-    tokens, lengths = pad_prompts(prompts, bucket_for(max(len(p) for p in prompts)))
-    loop = _Loop(target, proposer, spec)
-    init, step = jax.jit(loop.init), jax.jit(loop.step)
-    state = init(params, tokens, lengths, rng)
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids)
+    state = loop.init(params, tokens, lengths, rng)
     shown = np.zeros(len(lengths), np.int32)
     while True:
-        n_out, out = np.asarray(state.n_out), np.asarray(state.out)
+        # Copied to the host before the next step donates the state's buffers.
+        n_out, out, finish = (np.array(x) for x in jax.device_get((state.n_out, state.out, state.finish)))
         yield [out[b, shown[b]:n_out[b]].tolist() for b in range(len(n_out))]
         shown = n_out
-        if not (np.asarray(state.finish) == RUNNING).any():
-            return loop.finish(state)
-        state = step(params, state)
+        if not (finish == FinishReason.RUNNING).any():
+            return loop.output(state)
+        state = loop.step(params, state)

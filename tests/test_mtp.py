@@ -19,13 +19,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax import speculative as gen
 from dflash_jax.checkpoint import write_safetensors
 from dflash_jax.config import TargetConfig
-from dflash_jax.mtp import MTPProposer, mtp_step
-from dflash_jax.proposers import NoProposer
+from dflash_jax.mtp import MTPProposer, mtp_params, mtp_step
+from dflash_jax.proposers import NoProposer, TargetView
 from dflash_jax.sampling import SamplingConfig, probs
-from dflash_jax.speculative import SpecConfig, make_generate, pad_prompts
+from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, make_generate, pad_prompts
 from dflash_jax.target import Qwen35ForCausalLM, Target, forward, load_target
 
 PROMPT_LENS, BUCKET, MAX_NEW = (5, 12, 1, 9), 16, 24
@@ -93,7 +92,7 @@ def _prompts(vocab, seed=0):
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _mtp_step(graphdef, params, tokens, hidden, k_cache, v_cache, start):
-    return mtp_step(nnx.merge(graphdef, params), tokens, hidden, k_cache, v_cache, start)
+    return mtp_step(nnx.merge(graphdef, params).mtp, TargetView.of(params), tokens, hidden, k_cache, v_cache, start)
 
 
 def _zeros_cache(cfg, B, S):
@@ -195,21 +194,23 @@ def plain(dense, prompts):
 def block4(dense, prompts):
     """Block 4 (three MTP drafts) through the loop's own jitted init and step, keeping the states."""
     tokens, lengths = prompts
-    loop = gen._Loop(dense, MTPProposer(dense.cfg, 3), SpecConfig(block_size=4, max_new_tokens=MAX_NEW, stop_ids=()))
-    params, step = (dense.params, ()), jax.jit(loop.step)
-    first = state = jax.jit(loop.init)(params, tokens, lengths, 0)
-    while (np.asarray(state.finish) == gen.RUNNING).any():
-        state = step(params, state)
+    spec = SpecConfig(block_size=4, max_new_tokens=MAX_NEW, stop_ids=())
+    loop = SpeculativeLoop.of(dense, MTPProposer(dense.cfg, 3), spec)
+    params = (dense.params, mtp_params(dense))
+    state = loop.init(params, tokens, lengths, 0)
+    first = jax.tree.map(jnp.copy, state)  # the step donates its input state
+    while (np.asarray(state.finish) == FinishReason.RUNNING).any():
+        state = loop.step(params, state)
     return loop, first, state
 
 
 def _run(target, proposer, pparams, block, tokens, lengths):
     spec = SpecConfig(block_size=block, max_new_tokens=MAX_NEW, stop_ids=())
-    return jax.jit(make_generate(target, proposer, spec))((target.params, pparams), tokens, lengths, 0)
+    return make_generate(target, proposer, spec)((target.params, pparams), tokens, lengths, 0)
 
 
 def test_greedy_block2_lossless(dense, prompts, plain):
-    out = _run(dense, MTPProposer(dense.cfg, 1), (), 2, *prompts)
+    out = _run(dense, MTPProposer(dense.cfg, 1), mtp_params(dense), 2, *prompts)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     assert (np.asarray(out.accepted).sum(0) > 0).all(), np.asarray(out.accepted).sum(0)  # both 0 and 1
 
@@ -218,7 +219,7 @@ def test_greedy_block4_lossless_and_context_is_teacher_forced(dense, prompts, pl
     """Lossless, and at the end the head's cache rows 0..length-1 equal one mtp_step over the committed
     sequence with the target's hidden states from ``forward``: entry t holds (x_{t+1}, h_t)."""
     (tokens, lengths), (loop, _, state) = prompts, block4
-    final = loop.finish(state)
+    final = loop.output(state)
     np.testing.assert_array_equal(final.tokens, plain.tokens)
     hist = np.asarray(final.accepted).sum(0)
     assert hist[0] > 0 and hist[1:].sum() > 0, hist
@@ -245,7 +246,8 @@ def test_sampled_drafts_follow_the_unrolled_chain(dense, block4):
     loop, first, _ = block4
     st, sampling = first.proposer, SamplingConfig(temperature=1.0, draft_mode="sampled")
     propose = jax.jit(lambda params, st, anchor, keys: loop.proposer.propose(
-        nnx.merge(dense.graphdef, params), (), st, anchor, 3, keys, sampling)[:2])
+        params=params["mtp"], view=TargetView.of(params), state=st, anchor=anchor, k=3, keys=keys,
+        sampling=sampling)[:2])
     drafts, q = propose(dense.params, st, first.anchor, jax.random.split(jax.random.key(3), 4))
     model, rows = dense.module(), np.arange(4)
     h, kc, vc = _mtp_step(dense.graphdef, dense.params, first.anchor[:, None], st.hidden[:, :1], st.k, st.v,
@@ -264,7 +266,11 @@ def test_bad_configurations_are_clear_errors(dense, checkpoints):
         MTPProposer(dataclasses.replace(dense.cfg, mtp_num_hidden_layers=0), 3)
     no_head = load_target(checkpoints["dense"][0], dtype=jnp.float32, mtp=False, progress=False)
     with pytest.raises(ValueError, match="no MTP head"):
-        MTPProposer(dense.cfg, 3).init(no_head.module(), (), None, jnp.ones(1, jnp.int32), 8, jnp.ones((1, 1)))
+        mtp_params(no_head)
+    for wrong in ((), dense.params):  # the old conventions: no params, or the whole target's
+        with pytest.raises(ValueError, match="MTPProposer's params are the target's MTP head"):
+            MTPProposer(dense.cfg, 3).init(params=wrong, view=TargetView.of(dense.params), prefill=None,
+                                           prompts=jnp.ones((1, 1)), prompt_lens=jnp.ones(1, jnp.int32), capacity=8)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

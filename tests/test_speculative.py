@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import itertools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_stats import chi2_pvalue
+from flax import nnx
 
+from dflash_jax import sampling
 from dflash_jax import speculative as gen
+from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
 from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import SpecConfig, generate, make_generate, pad_prompts, stream
-from dflash_jax.target import load_target
+from dflash_jax.sampling import SamplingConfig, probs
+from dflash_jax.speculative import FinishReason, SpecConfig, generate, make_generate, pad_prompts, stream
+from dflash_jax.target import init_target, load_target
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX's event for one XLA compilation
 MAX_NEW = 24
 PROMPT_LENS = (5, 12, 1, 9)
 
@@ -32,7 +42,8 @@ def _prompts(vocab, lens, seed=0):
 def _run(target, proposer, pparams, prompts, block, max_new=MAX_NEW, sampling=SamplingConfig(), rng=0):
     tokens, lengths = pad_prompts(prompts, 16)
     spec = SpecConfig(block_size=block, max_new_tokens=max_new, sampling=sampling, stop_ids=())
-    return jax.jit(make_generate(target, proposer, spec))((target.params, pparams), tokens, lengths, rng)
+    # Not wrapped in jax.jit: make_generate's loop is jitted and cached per configuration, shared by tests.
+    return make_generate(target, proposer, spec)((target.params, pparams), tokens, lengths, rng)
 
 
 def _drafter_for(target, block=8, seed=0):
@@ -81,21 +92,22 @@ def test_block_size_chosen_per_call_without_reloading(hf_dense):
     ar = generate(target, prompts, max_new_tokens=12, stop_ids=())
     for block in (1, 3, 8):
         out = generate(target, prompts, drafter=drafter, block_size=block, max_new_tokens=12, stop_ids=())
-        assert out.texts() == ar.texts()
+        assert out.token_lists() == ar.token_lists()
 
 
 def test_stop_ids_and_max_new_tokens(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
     prompts = _prompts(target.cfg.vocab_size, PROMPT_LENS, seed=3)
     ar = generate(target, prompts, max_new_tokens=MAX_NEW, stop_ids=())
-    texts = ar.texts()
+    texts = ar.token_lists()
     stop = texts[1][6]  # a token row 1 emits at index 6 (or earlier)
     out = generate(target, prompts, drafter=_drafter_for(target), block_size=4, max_new_tokens=MAX_NEW,
                    stop_ids=(stop,))
-    for full, got, reason in zip(texts, out.texts(), np.asarray(out.finish_reason), strict=True):
+    for full, got, reason in zip(texts, out.token_lists(), np.asarray(out.finish_reason), strict=True):
         cut = full.index(stop) + 1 if stop in full else len(full)
         assert got == full[:cut]
-        assert gen.FINISH_REASONS[int(reason)] == ("stop" if stop in full else "length")
+        assert FinishReason(int(reason)) == (FinishReason.STOP if stop in full else FinishReason.LENGTH)
+    assert out.finish_names() == ["stop" if stop in full else "length" for full in texts]
     assert (np.asarray(out.lengths) <= MAX_NEW).all()
 
 
@@ -111,17 +123,52 @@ def test_stream_yields_the_generated_tokens(hf_dense):
     except StopIteration as done:
         final = done.value
     joined = [sum((c[b] for c in chunks), []) for b in range(2)]
-    assert joined == final.texts() == generate(target, prompts, max_new_tokens=10, stop_ids=()).texts()
+    assert joined == final.token_lists() == generate(target, prompts, max_new_tokens=10, stop_ids=()).token_lists()
     assert len(chunks[0][0]) == 1  # the first token comes straight from prefill
+
+
+@contextlib.contextmanager
+def _compilations():
+    """Collects the XLA compilations JAX reports (its monitoring hook) inside the block."""
+    seen = []
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_no_recompilation_for_new_prompts_in_the_same_bucket(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
-    gen._compiled.cache_clear()
     generate(target, _prompts(96, (5, 9), seed=5), max_new_tokens=4)
-    fn = gen._compiled(target.cfg, target.graphdef, NoProposer(), SpecConfig(block_size=1, max_new_tokens=4))
-    generate(target, _prompts(96, (11, 2), seed=6), max_new_tokens=4)
-    assert fn._cache_size() == 1
+    fn = gen.SpeculativeLoop.run
+    size = fn._cache_size()
+    with _compilations() as seen:
+        generate(target, _prompts(96, (11, 2), seed=6), max_new_tokens=4)
+    assert fn._cache_size() == size and seen == []
+    with _compilations() as seen:  # the counter counts: a new shape compiles
+        generate(target, _prompts(96, (11, 2), seed=6), max_new_tokens=5)
+    assert seen
+
+
+def test_second_stream_and_generate_compile_nothing(hf_dense):
+    """Equal configurations share the compiled phases (the loop is static and hashable): the second
+    stream() and generate() with the same shapes, even from a reloaded target, compile nothing."""
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    drafter = _drafter_for(target, block=4)
+    kw = dict(drafter=drafter, block_size=4, max_new_tokens=6, stop_ids=())
+    first = list(stream(target, _prompts(96, (3, 8), seed=7), **kw)), generate(target, _prompts(96, (3, 8)), **kw)
+    again = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    with _compilations() as seen:
+        chunks = list(stream(again, _prompts(96, (3, 8), seed=7), **kw))
+        out = generate(again, _prompts(96, (3, 8)), **kw)
+    assert seen == []
+    assert chunks == first[0] and out.token_lists() == first[1].token_lists()
 
 
 def test_bad_inputs_are_clear_errors(hf_dense):
@@ -141,3 +188,186 @@ def test_bad_inputs_are_clear_errors(hf_dense):
         make_generate(target, NoProposer(), spec)((target.params, ()), *pad_prompts([[1, 2, 3]], 16), 0)
     with pytest.raises(ValueError, match="needs a drafter"):
         make_generate(target, NoProposer(), SpecConfig(block_size=4))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(hf_dense):
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    V = target.cfg.vocab_size
+    for bad in (V, -1, V + 1000):
+        with pytest.raises(ValueError, match=f"prompt 1: token id {bad} is outside the vocabulary \\[0, {V}\\)"):
+            generate(target, [[1, 2], [3, bad]])
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            next(stream(target, [[3, bad]]))
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+            pad_prompts([[bad]], vocab_size=V)
+        tokens, lengths = pad_prompts([[1, 2, 3]], 16)
+        tokens[0, 1] = bad
+        with pytest.raises(ValueError, match=f"prompt 0: token id {bad} is outside the vocabulary"):
+            make_generate(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=2))(
+                (target.params, ()), tokens, lengths, 0)
+    with pytest.raises(ValueError, match="token ids must be a flat list of integers"):
+        pad_prompts([[1, 2.5]])
+    tokens, lengths = pad_prompts([[1, 2, 3]], 16)
+    tokens[0, 5] = V  # padding past the row's length is never read
+    make_generate(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=2))((target.params, ()), tokens,
+                                                                                     lengths, 0)
+
+
+def test_prompt_lens_are_validated(hf_dense):
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    fn = make_generate(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=2))
+    tokens, _ = pad_prompts([[1, 2, 3], [4]], 16)
+    for lens, message in (([3, 0], r"prompt_lens\[1\] = 0 is outside 1..16"),
+                          ([17, 1], r"prompt_lens\[0\] = 17 is outside 1..16"),
+                          ([3], r"prompt_lens \[B\], got \(2, 16\) and \(1,\)")):
+        with pytest.raises(ValueError, match=message):
+            fn((target.params, ()), tokens, np.array(lens, np.int32), 0)
+
+
+def test_huge_max_new_tokens_is_refused_not_hung(hf_dense):
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    with pytest.raises(ValueError, match="max_new_tokens 10000000000 cannot be held: 1 rows of 10000000017 cache "
+                                         "positions need .* GiB"):
+        generate(target, [[1, 2]], max_new_tokens=10**10)
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 10000000000.0"):
+        generate(target, [[1, 2]], max_new_tokens=1e10)
+
+
+def test_warns_past_max_position_embeddings(hf_dense):
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    short = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, max_position_embeddings=20))
+    tokens, lengths = pad_prompts([[1, 2]], 16)
+
+    def trace(max_new):  # the check runs when the loop is traced: no need to compile or run it
+        fn = make_generate(short, NoProposer(), SpecConfig(block_size=1, max_new_tokens=max_new, stop_ids=()))
+        jax.eval_shape(fn, (short.params, ()), tokens, lengths, 0)
+
+    with pytest.warns(UserWarning, match="prompt bucket 16 \\+ max_new_tokens 8 = 24 exceeds the target's "
+                                         "max_position_embeddings 20"):
+        trace(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trace(4)
+
+
+def _with_nan_embedding(target, token):
+    """The target with the embedding row of ``token`` NaN: its logits turn non-finite once it is processed."""
+    flat = [(p, v.replace(v.get_value().at[token].set(jnp.nan))) if p == ("model", "embed_tokens", "weight")
+            else (p, v) for p, v in nnx.to_flat_state(target.params)]
+    return dataclasses.replace(target, params=nnx.from_flat_state(flat))
+
+
+def test_nonfinite_logits_finish_the_row_as_nonfinite(hf_dense):
+    """NaN weights: the row emits only tokens finite logits decided (plain decoding's), then stops NONFINITE.
+
+    Plain decoding emits exactly the tokens up to the poisoned one. A verify block holding it may turn
+    the whole block's logits non-finite (the chunked delta rule mixes its positions), so speculation
+    may stop earlier, but never emits a token plain decoding would not."""
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    prompts = _prompts(target.cfg.vocab_size, (6,), seed=9)
+    ar = _run(target, NoProposer(), (), prompts, 1).token_lists()[0]
+    cut = next(i for i in range(2, MAX_NEW) if ar[i] not in prompts[0] + ar[:i])
+    bad = _with_nan_embedding(target, ar[cut])
+    continuation = jnp.pad(jnp.asarray([ar]), ((0, 0), (0, 16)))
+    drafter = _drafter_for(target, block=4)
+    runs = {"plain": (NoProposer(), (), 1),
+            "dflash": (DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params, 4),
+            "oracle": (OracleProposer(target.cfg.vocab_size), OracleParams(continuation, jnp.array([99])), 4)}
+    for name, (proposer, pparams, block) in runs.items():
+        out = _run(bad, proposer, pparams, prompts, block)
+        got = out.token_lists()[0]
+        assert got == ar[:cut + 1] if name == "plain" else (got == ar[:len(got)] and len(got) <= cut + 1), name
+        assert out.finish_names() == ["nonfinite"] and int(out.finish_reason[0]) == FinishReason.NONFINITE, name
+    out = _run(_with_nan_embedding(target, jnp.arange(target.cfg.vocab_size)), NoProposer(), (), prompts, 1)
+    assert out.finish_names() == ["nonfinite"] and int(out.lengths[0]) == 0 and (np.asarray(out.tokens) == -1).all()
+    # A temperature so small that logits / temperature overflow: not a token, a non-finite finish.
+    out = _run(target, NoProposer(), (), prompts, 1, sampling=SamplingConfig(temperature=1e-45))
+    assert out.finish_names() == ["nonfinite"] and int(out.lengths[0]) == 0
+
+
+def test_top_k_beyond_the_vocabulary_is_refused(hf_dense):
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    with pytest.raises(ValueError, match="top_k 97 exceeds the target's vocabulary of 96"):
+        generate(target, [[1, 2]], sampling=SamplingConfig(temperature=1.0, top_k=97))
+
+
+# ---- sampling through the loop: the exact distribution of plain sampling, and batching ----
+
+V = 8
+
+
+def _tiny_vocab_target():
+    cfg = TargetConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
+                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
+    target = init_target(cfg, seed=3)
+    # Random init gives near-uniform logits; a sharper head makes distinct p and q that a wrong rule betrays.
+    head = target.params["lm_head"]["weight"]
+    head.set_value(head.get_value() * 150.0)
+    return target
+
+
+def _exact_joint(target, prompt, cfg, n=3):
+    """P(first n generated tokens) of plain sampling, by enumerating every prefix."""
+    joint = np.ones([1])
+    for depth in range(n):
+        prefixes = np.array(list(itertools.product(range(V), repeat=depth)), np.int32).reshape(V**depth, depth)
+        rows = np.concatenate([np.tile(prompt, (V**depth, 1)), prefixes], axis=1).astype(np.int32)
+        out, _ = target.prefill(rows, [rows.shape[1]] * len(rows), capacity=rows.shape[1])
+        step = np.asarray(probs(out.logits, cfg))  # [V**depth, V]
+        joint = (joint[:, None] * step).reshape(-1)
+    return joint
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
+    target = _tiny_vocab_target()
+    dcfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
+                         block_size=3, mask_token_id=V - 1, target_layer_ids=(0,), num_target_layers=2,
+                         layer_types=("full_attention",), sliding_window=None, is_causal=None,
+                         target_hidden_size=16)
+    drafter = init_drafter(dcfg, seed=4)
+    cfg = SamplingConfig(temperature=1.0, draft_mode=mode)
+    prompt = np.array([1, 5, 2], np.int32)
+    exact = _exact_joint(target, prompt, cfg)
+    N = 6000
+    spec = SpecConfig(block_size=3, max_new_tokens=3, sampling=cfg, stop_ids=())
+    tokens, lengths = pad_prompts([prompt.tolist()] * N, 4)
+
+    def sample_joint(spec):
+        fn = jax.jit(make_generate(target, DFlashProposer(dcfg, drafter.graphdef), spec))
+        out = fn((target.params, drafter.params), tokens, lengths, jax.random.key(7))
+        seqs = np.asarray(out.tokens)
+        assert (np.asarray(out.steps) >= 1).all()
+        return np.bincount(np.ravel_multi_index(seqs.T, (V,) * 3), minlength=V**3)
+
+    counts = sample_joint(spec)
+    # Compare the marginals of the 2nd and 3rd token (decided by the acceptance rule) and their joint.
+    joint3 = exact.reshape(V, V, V)
+    c3 = counts.reshape(V, V, V)
+    assert chi2_pvalue(c3.sum((0, 2)), joint3.sum((0, 2))) > 1e-4
+    assert chi2_pvalue(c3.sum((0, 1)), joint3.sum((0, 1))) > 1e-4
+    assert chi2_pvalue(c3.sum(0).ravel(), joint3.sum(0).ravel()) > 1e-4
+
+    # The same statistic rejects a wrong rule (always accept the drafts): the test has power.
+    def accept_all(drafts, q, logits, keys, scfg):
+        a = jnp.full(drafts.shape[:1], drafts.shape[1], jnp.int32)
+        return a, sampling.choose(logits[:, -1], keys, scfg)
+
+    monkeypatch.setattr(gen, "accept", accept_all)
+    # Equal configurations share compiled programs: another capacity makes one that traces the patched rule.
+    wrong = sample_joint(dataclasses.replace(spec, capacity=11)).reshape(V, V, V)
+    assert chi2_pvalue(wrong.sum(0).ravel(), joint3.sum(0).ravel()) < 1e-6
+
+
+def test_batch_row_equals_the_prompt_run_alone():
+    target = _tiny_vocab_target()
+    keys = jax.random.split(jax.random.key(11), 3)
+    prompts = [[1, 2, 3], [4, 5], [6, 1, 1, 2]]
+    spec = SpecConfig(block_size=1, max_new_tokens=6, sampling=SamplingConfig(temperature=1.0), stop_ids=())
+    fn = jax.jit(make_generate(target, NoProposer(), spec))
+    batch = fn((target.params, ()), *pad_prompts(prompts, 8), keys)
+    alone = fn((target.params, ()), *pad_prompts(prompts[1:2], 8), keys[1:2])
+    assert batch.token_lists()[1] == alone.token_lists()[0]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.drafter import load_drafter
-from dflash_jax.mtp import MTPProposer
+from dflash_jax.mtp import MTPProposer, mtp_params
 from dflash_jax.speculative import generate
 from dflash_jax.target import load_target
 from dflash_jax.train import corpus
@@ -45,8 +45,8 @@ def acceptance_table(assets: str | Path, *, n_prompts: int = 16, max_new_tokens:
         table["dflash"][block] = float(np.mean(np.asarray(out.tau)))
         print(f"[eval] DFlash block {block}: tau {table['dflash'][block]:.3f}", flush=True)
     for steps in (3, 7, 15):
-        out = generate(target, prompts, drafter=(MTPProposer(target.cfg, steps), ()), block_size=steps + 1,
-                       max_new_tokens=max_new_tokens, stop_ids=())
+        out = generate(target, prompts, drafter=(MTPProposer(target.cfg, steps), mtp_params(target)),
+                       block_size=steps + 1, max_new_tokens=max_new_tokens, stop_ids=())
         table["mtp"][steps] = float(np.mean(np.asarray(out.tau)))
         print(f"[eval] MTP {steps} steps: tau {table['mtp'][steps]:.3f}", flush=True)
     return table

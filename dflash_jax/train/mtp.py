@@ -18,6 +18,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.mtp import mtp_step
+from dflash_jax.proposers import TargetView
 from dflash_jax.target import Qwen35ForCausalLM, Target
 from dflash_jax.train import loop
 from dflash_jax.train.drafter import compute_taps
@@ -33,7 +34,8 @@ def mtp_loss_fn(graphdef, prompt_len: int):
         B, L = tokens.shape
         cfg = model.cfg
         kv = jnp.zeros((B, L - 1, cfg.num_key_value_heads, cfg.head_dim), hidden.dtype)
-        out, _, _ = mtp_step(model, tokens[:, 1:], hidden[:, :-1], kv, kv, jnp.zeros((B,), jnp.int32))
+        view = TargetView.of(nnx.state(model))
+        out, _, _ = mtp_step(model.mtp, view, tokens[:, 1:], hidden[:, :-1], kv, kv, jnp.zeros((B,), jnp.int32))
         logits = model.logits(out[:, :-1]).astype(jnp.float32)  # entry t predicts x_{t+2}: [B, L-2, V]
         labels = tokens[:, 2:]
         keep = (jnp.arange(2, L) >= prompt_len).astype(jnp.float32)[None, :]  # only generated tokens
