@@ -5,10 +5,10 @@ The names users and notebooks rely on are re-exported here; see README.md for a 
 
 from dflash_jax.drafter import Drafter, load_drafter
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import GenerateOutput, SpecConfig, generate, make_generate, stream
+from dflash_jax.speculative import FinishReason, GenerateOutput, SpecConfig, generate, make_generate, stream
 from dflash_jax.target import Target, load_target
 
 __all__ = [
-    "Drafter", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter", "load_target",
+    "Drafter", "FinishReason", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter", "load_target",
     "make_generate", "stream",
 ]
