@@ -9,6 +9,7 @@ from dflash_jax.speculative import FinishReason, GenerateOutput, SpecConfig, gen
 from dflash_jax.target import Target, load_target
 
 __all__ = [
-    "Drafter", "FinishReason", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter", "load_target",
+    "Drafter", "FinishReason", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter",
+    "load_target",
     "make_generate", "stream",
 ]
