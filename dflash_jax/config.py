@@ -360,7 +360,7 @@ class TargetConfig:
             f.require("norm_topk_prob", (True,), True, "Qwen3.5 MoE renormalises the top-k weights")
             f.require("decoder_sparse_step", (1,), 1, "every Qwen3.5 MoE layer is sparse")
             f.require("mlp_only_layers", ([],), [], "every Qwen3.5 MoE layer is sparse")
-            f.read.add("sliding_window")
+            f.read |= {"sliding_window", "full_attention_interval"}  # the interval only matters without layer_types
             if f.has("sliding_window") and f.raw["sliding_window"] != 0:
                 raise ConfigError(f"{where}sliding_window={f.raw['sliding_window']!r} is not supported "
                                   f"(Qwen3.5 attention is global)")

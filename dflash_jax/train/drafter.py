@@ -23,7 +23,7 @@ import optax
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.drafter import DFlashDrafter, Drafter, DrafterConfig, init_drafter
+from dflash_jax.drafter import DFlashDrafter, Drafter, DrafterConfig, draft_logits, init_drafter
 from dflash_jax.rope import rope
 from dflash_jax.speculative import generate
 from dflash_jax.target import Target, forward
@@ -141,7 +141,7 @@ def drafter_loss_fn(drafter_graphdef, target_graphdef, cfg: DrafterConfig, gamma
         labels = jnp.take_along_axis(tokens[:, None, :], idx.reshape(idx.shape[0], 1, -1), axis=2).reshape(idx.shape)
         block = jnp.where(jnp.arange(Bk) == 0, labels, cfg.mask_token_id)  # [anchor, MASK, ...]
         hidden = block_hidden(nnx.merge(drafter_graphdef, params), taps, target.model.embed_tokens(block), anchors)
-        logits = target.logits(hidden).astype(jnp.float32)  # [B, N, Bk, V]
+        logits = draft_logits(cfg, target.logits(hidden)).astype(jnp.float32)  # [B, N, Bk, V]
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         w = jnp.broadcast_to(weights, ce.shape)
         hit = (logits.argmax(-1) == labels)

@@ -47,7 +47,7 @@ def hf_config(cfg: TargetConfig) -> dict:
         "num_hidden_layers": cfg.num_hidden_layers, "layer_types": list(cfg.layer_types),
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "attention_bias": False, "attention_dropout": 0.0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**cfg.rope_scaling.to_hf(), "rope_theta": cfg.rope_theta,
                             "partial_rotary_factor": cfg.partial_rotary_factor},
         "linear_num_key_heads": cfg.linear_num_key_heads, "linear_num_value_heads": cfg.linear_num_value_heads,
         "linear_key_head_dim": cfg.linear_key_head_dim, "linear_value_head_dim": cfg.linear_value_head_dim,
