@@ -77,18 +77,31 @@ def read_safetensors_header(file) -> tuple[dict, int]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt header (JSON is not an object)")
     data_start, data_len = 8 + n, size - 8 - n
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
         try:
             dtype, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in shape) and 0 <= begin <= end
+            ok = all(type(d) is int and d >= 0 for d in shape) and type(begin) is int and type(end) is int
+            ok = ok and 0 <= begin <= end
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{file}: corrupt header entry {key!r}: {info!r}") from None
         if not ok or end - begin != math.prod(shape) * dtype.itemsize:
             raise CheckpointError(f"{file}: corrupt header entry {key!r}: {info!r}")
         if end > data_len:
             raise CheckpointError(f"{file}: truncated: {key!r} ends at byte {end}, data has {data_len} bytes")
+        spans.append((begin, end, key))
+    # As the safetensors library: the tensors tile the data exactly, in offset order, with no gap or overlap
+    # (otherwise one tensor could silently read another's bytes).
+    at = 0
+    for begin, end, key in sorted(spans):
+        if begin != at:
+            what = "overlaps the previous tensor" if begin < at else f"leaves a gap at byte {at}"
+            raise CheckpointError(f"{file}: corrupt header: {key!r} (data_offsets [{begin}, {end}]) {what}")
+        at = end
+    if at != data_len:
+        raise CheckpointError(f"{file}: corrupt header: tensors cover {at} of the {data_len} data bytes")
     return header, data_start
 
 
@@ -126,9 +139,14 @@ def checkpoint_files(path) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: cannot read weight_map: {e}") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+        root = path.resolve()
         for shard in sorted(set(weight_map.values())):
+            if not (path / shard).resolve().is_relative_to(root):
+                raise CheckpointError(f"{index}: shard path {shard!r} points outside the checkpoint directory")
             if not (path / shard).is_file():
                 raise CheckpointError(f"shard {shard} named by {index} is missing")
         return {key: path / shard for key, shard in weight_map.items()}
@@ -215,6 +233,11 @@ def load_state(
     for canon, spec in expected.items():
         want = tuple(spec.shape)
         got = plan.get(canon)
+        if got is not None and jax.numpy.issubdtype(spec.dtype, jax.numpy.floating):
+            for ent in [got] if isinstance(got, _Entry) else got.values():
+                if not jax.numpy.issubdtype(ent.dtype, jax.numpy.floating):
+                    problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but "
+                                    f"{canon!r} is a floating-point parameter")
         if got is None:
             problems.append(f"missing tensor {canon!r} with shape {want}")
         elif isinstance(got, _Entry):
@@ -255,6 +278,7 @@ def load_state(
                 handles[file] = stack.enter_context(open(file, "rb"))
             return handles[file]
 
+        stack.enter_context(np.errstate(over="ignore", invalid="ignore"))  # overflow in a cast is reported below
         for canon in order:
             spec, dtype = plan[canon], expected[canon].dtype
             if isinstance(spec, _Entry):
@@ -265,10 +289,31 @@ def load_state(
                 rows = {"gate_proj": slice(0, half), "up_proj": slice(half, None), "down_proj": slice(None)}
                 for (e, proj), ent in spec.items():
                     host[e, rows[proj]] = _read(handle(ent.file), ent)
+            if not _all_finite(host):
+                files = sorted({e.file.name for e in ([spec] if isinstance(spec, _Entry) else spec.values())})
+                raise CheckpointError(f"{path}: tensor {canon!r} (in {', '.join(files)}) holds NaN or Inf values "
+                                      f"(after the cast to {np.dtype(dtype).name})")
             out[canon] = place(canon, host)
             del host  # drop the host copy before the next tensor
             bar.update(1)
     return {k: out[k] for k in expected}
+
+
+# Exponent masks: a float is NaN or Inf exactly when all its exponent bits are set (one integer pass).
+_EXPONENT = {np.dtype("<f4"): (np.uint32, 0x7F800000), np.dtype(ml_dtypes.bfloat16): (np.uint16, 0x7F80),
+             np.dtype("<f2"): (np.uint16, 0x7C00), np.dtype("<f8"): (np.uint64, 0x7FF0000000000000)}
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    """No NaN/Inf in a host array (integer arrays trivially pass)."""
+    if a.dtype in _EXPONENT:
+        view, mask = _EXPONENT[a.dtype]
+        m, bits = view(mask), a.reshape(-1).view(view)
+        step = 1 << 24  # bounded temporaries for multi-GB tensors
+        return not any(np.any((bits[i:i + step] & m) == m) for i in range(0, bits.size, step))
+    if jax.numpy.issubdtype(a.dtype, jax.numpy.floating):
+        return bool(np.isfinite(a.astype(np.float32)).all())
+    return True
 
 
 def _flat_shapes(tree, is_leaf=None) -> dict[str, tuple[int, ...]]:

@@ -291,6 +291,92 @@ def test_corrupt_header(moe_dir):
         load_state(path, expected, progress=False)
 
 
+def _raw_file(path, entries: dict, data_len: int):
+    blob = json.dumps(entries).encode()
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + bytes(data_len))
+
+
+@pytest.mark.parametrize("entries, data_len, message", [
+    ({"a": [0, 8], "b": [4, 12]}, 12, r"'b' \(data_offsets \[4, 12\]\) overlaps the previous tensor"),
+    ({"a": [0, 8], "b": [0, 8]}, 8, "overlaps the previous tensor"),
+    ({"a": [0, 8], "b": [12, 20]}, 20, "leaves a gap at byte 8"),
+    ({"a": [0, 8], "b": [8, 16]}, 24, "tensors cover 16 of the 24 data bytes"),
+])
+def test_offsets_must_tile_the_data_as_safetensors_requires(tmp_path, entries, data_len, message):
+    """Overlapping / gapped / short offsets: one tensor would read another's bytes. The safetensors library
+    (the oracle) refuses the same files."""
+    file = tmp_path / "model.safetensors"
+    _raw_file(file, {k: {"dtype": "F32", "shape": [2], "data_offsets": o} for k, o in entries.items()}, data_len)
+    with pytest.raises(CheckpointError, match=message):
+        read_safetensors_header(file)
+    with pytest.raises(Exception):  # noqa: B017 - the library raises its own SafetensorError
+        with safe_open(str(file), "np") as f:
+            [f.get_tensor(k) for k in f.keys()]
+
+
+def test_offsets_in_any_key_order_are_fine(tmp_path):
+    """Entries listed out of offset order but tiling the data: valid for the library, and for us."""
+    file = tmp_path / "model.safetensors"
+    _raw_file(file, {"b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]},
+                     "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, 16)
+    with safe_open(str(file), "np") as f:
+        assert sorted(f.keys()) == ["a", "b"]
+    assert set(load_state(tmp_path, {k: jax.ShapeDtypeStruct((2,), jnp.float32) for k in "ab"},
+                          progress=False)) == {"a", "b"}
+
+
+@pytest.mark.parametrize("stored", [np.int32, np.bool_, np.uint8])
+def test_integer_or_bool_tensor_for_a_float_parameter(moe_dir, stored):
+    path, t, expected = moe_dir
+    t["model.norm.weight"] = np.ones(4, stored)
+    write_safetensors(path / "model.safetensors", t)
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' in .*model\.safetensors: stored as "
+                                              r"(I32|BOOL|U8), but 'model\.norm\.weight' is a floating-point"):
+        load_state(path, expected, progress=False)
+    # Per-expert pieces too.
+    t["model.norm.weight"] = np.ones(4, np.float32)
+    t["model.layers.0.mlp.experts.1.up_proj.weight"] = np.ones((2, 4), stored)
+    write_safetensors(path / "model.safetensors", t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.1\.up_proj\.weight' in .*"
+                                              r"stored as"):
+        load_state(path, expected, progress=False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_non_finite_weights_are_an_error(moe_dir, bad, dtype):
+    path, t, expected = moe_dir
+    expected = {k: jax.ShapeDtypeStruct(v.shape, dtype) for k, v in expected.items()}
+    t["model.layers.0.mlp.experts.2.down_proj.weight"][1, 1] = bad
+    write_safetensors(path / "model.safetensors", t)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.experts\.down_proj' \(in "
+                                              r"model\.safetensors\) holds NaN or Inf"):
+        load_state(path, expected, progress=False)
+
+
+def test_cast_overflow_is_caught(moe_dir):
+    """A finite f32 weight too large for f16 becomes Inf in the cast: refused, not loaded."""
+    path, t, expected = moe_dir
+    t["model.norm.weight"][0] = 1e6
+    write_safetensors(path / "model.safetensors", t)
+    expected = {k: jax.ShapeDtypeStruct(v.shape, jnp.float16) for k, v in expected.items()}
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight'.*NaN or Inf .*after the cast to float16"):
+        load_state(path, expected, progress=False)
+
+
+@pytest.mark.parametrize("shard", ["../outside.safetensors", "/etc/hostname", "sub/../../x.safetensors"])
+def test_shard_paths_stay_inside_the_checkpoint(moe_dir, shard):
+    path, _, expected = moe_dir
+    weight_map = dict.fromkeys(checkpoint_files(path / "model.safetensors"), "model.safetensors")
+    weight_map["model.norm.weight"] = shard
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"shard path {shard!r} points outside the checkpoint directory"):
+        checkpoint_files(path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to shard file names"):
+        checkpoint_files(path)
+
+
 def test_no_safetensors(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match=f"{tmp_path}: no model.safetensors"):
