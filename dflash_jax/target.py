@@ -14,7 +14,8 @@ commit only advances ``lengths`` (rejected rows are masked by length and overwri
 DeltaNet layers (``GatedDeltaNet.verify``/``.commit``): verify reads the state and conv window
 without writing them and records the per-token update inputs (``GDNPending``); commit replays the
 first n of them from the old state and slides the conv window. Decoding one token is verify(T=1)
-followed by commit(1).
+followed by commit(1). ``verify`` and ``commit`` donate the cache they are given, so a step updates
+it in place instead of copying it (the Pallas replay also aliases the state it rewrites).
 """
 
 from __future__ import annotations
@@ -173,12 +174,14 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
     return out, TargetCache(lengths=lengths, layers=tuple(layers))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "taps"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
 def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
     """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
 
     Args:
       tokens: [B, T] int32; cache: a committed TargetCache (callers keep lengths + T <= capacity).
+        It is donated (its K/V rows are updated in place, not copied): do not use it afterwards;
+        pass ``jax.tree.map(jnp.copy, cache)`` to keep it.
     Returns:
       (TargetOutput with logits [B, T, V], the cache with K/V rows written and GDN inputs pending);
       pass it to ``commit(cache, n)``.
@@ -189,18 +192,26 @@ def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...
     return out, TargetCache(lengths=cache.lengths, layers=tuple(layers))
 
 
-@jax.jit
 def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
     """Keeps exactly the first n[b] tokens of the last verify in each row.
 
     Args:
-      cache: the cache returned by ``verify`` (its GDN layers carry ``pending``).
+      cache: the cache returned by ``verify`` (its GDN layers carry ``pending``). Donated like
+        ``verify``'s: the K/V, conv windows and states are reused in place.
       n: [B] int32 in 0..T.
     Returns:
       The cache as if only those tokens had been processed, with nothing pending.
     """
-    n = n.astype(jnp.int32)
-    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c for c in cache.layers)
+    # Only what the result reuses is donated; the pending inputs are read by the replay, then dropped.
+    pending = tuple(c.pending if isinstance(c, GDNCache) else None for c in cache.layers)
+    layers = tuple(dataclasses.replace(c, pending=None) if isinstance(c, GDNCache) else c for c in cache.layers)
+    return _commit(TargetCache(lengths=cache.lengths, layers=layers), pending, jnp.asarray(n, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _commit(cache: TargetCache, pending: tuple, n: jax.Array) -> TargetCache:
+    layers = tuple(GatedDeltaNet.commit(dataclasses.replace(c, pending=p), n) if isinstance(c, GDNCache) else c
+                   for c, p in zip(cache.layers, pending, strict=True))
     return TargetCache(lengths=cache.lengths + n, layers=layers)
 
 
@@ -249,7 +260,7 @@ class Target:
 
     @staticmethod
     def commit(cache: TargetCache, n) -> TargetCache:
-        return commit(cache, jnp.asarray(n, jnp.int32))
+        return commit(cache, n)
 
 
 def _abstract_model(cfg: TargetConfig, dtype, mtp: bool, kernels: str | None):

@@ -111,31 +111,36 @@ def _row(cache, b):
     return jax.tree.map(lambda x: x[b:b + 1], cache)
 
 
+def _copy(cache):
+    """verify and commit donate their cache: tests that reuse one hand over a copy."""
+    return jax.tree.map(jnp.copy, cache)
+
+
 def test_verify16_then_commit_n_equals_processing_n_tokens(pair):
     _, tg = pair
     prompt_lens = (7, 20, 1, 64)
     tokens = _tokens(tg.cfg.vocab_size, (4, 64 + 16), seed=2)
     _, base = _prefill(tg, [tokens[b, :p] for b, p in enumerate(prompt_lens)])
     block = np.stack([tokens[b, p:p + 16] for b, p in enumerate(prompt_lens)])
-    _, verified = tg.verify(block, base, taps=TAPS)
+    _, verified = tg.verify(block, _copy(base), taps=TAPS)
     # The first n tokens processed alone, one at a time.
     alone = [base]
     for t in range(16):
-        alone.append(Target.commit(tg.verify(block[:, t:t + 1], alone[-1], taps=TAPS)[1], [1] * 4))
+        alone.append(Target.commit(tg.verify(block[:, t:t + 1], _copy(alone[-1]), taps=TAPS)[1], [1] * 4))
     for n in range(17):
-        kept = Target.commit(verified, [n] * 4)
+        kept = Target.commit(_copy(verified), [n] * 4)
         # Equal up to matmul rounding (XLA may round a [B, 16] projection unlike a [B, 1] one).
         _assert_same_cache(kept, alone[n], exact=False)
         if n in (3, 16):
             # Replaying only the first n recorded inputs gives the identical cache: the masked
             # tail steps (g = beta = 0) are exact no-ops.
-            _assert_same_cache(kept, Target.commit(_truncate_pending(verified, n), [n] * 4))
+            _assert_same_cache(kept, Target.commit(_truncate_pending(_copy(verified), n), [n] * 4))
         if n in (0, 5, 16):  # and what a prefill of prompt + kept tokens builds (chunked GDN form)
             _, pre = _prefill(tg, [np.concatenate([tokens[b, :p], block[b, :n]])
                                    for b, p in enumerate(prompt_lens)])
             _assert_same_cache(kept, pre, exact=False)
     # Rows commit independently.
-    kept = Target.commit(verified, [3, 11, 0, 16])
+    kept = Target.commit(_copy(verified), [3, 11, 0, 16])
     for b, n in enumerate((3, 11, 0, 16)):
         _assert_same_cache(_row(kept, b), _row(alone[n], b), exact=False)
 
@@ -176,3 +181,16 @@ def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path):
     for a, b in zip(jax.tree.leaves(tg.params), jax.tree.leaves(again.params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_verify_and_commit_donate_the_cache(pair):
+    """A step updates the cache in place: the caches handed to verify and commit are consumed."""
+    _, tg = pair
+    _, cache = _prefill(tg, [[1, 2, 3]] * 4)
+    _, verified = tg.verify(np.ones((4, 16), np.int32), cache, taps=TAPS)
+    assert all(x.is_deleted() for x in jax.tree.leaves(cache))
+    kept = Target.commit(verified, [2] * 4)
+    reused = [x for c in verified.layers
+              for x in jax.tree.leaves(dataclasses.replace(c, pending=None) if isinstance(c, GDNCache) else c)]
+    assert all(x.is_deleted() for x in reused)  # the pending inputs are only read
+    np.testing.assert_array_equal(kept.lengths, [5] * 4)
