@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.cli import ASSETS
+from dflash_jax.runtime import ASSETS
 from dflash_jax.drafter import load_drafter
 from dflash_jax.speculative import generate
 from dflash_jax.target import load_target
