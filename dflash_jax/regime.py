@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -129,8 +130,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {params / 1e6:.0f}M | {share:.1%} | {tau} | {r['ar_decode_tok_s']:.1f} | "
                   + " | ".join(cells) + " |", flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

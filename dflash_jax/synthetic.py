@@ -52,22 +52,21 @@ REAL_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+def _config(cls, config):
+    """A ``cls`` config from itself, a raw ``config.json`` dict, or a checkpoint directory / config file."""
+    if isinstance(config, cls):
+        return config
+    return cls.from_hf(config) if isinstance(config, dict) else cls.from_pretrained(config)
+
+
 def target_config(config: TargetConfig | dict | str | Path) -> TargetConfig:
     """A TargetConfig from itself, a raw ``config.json`` dict, or a checkpoint directory / config file."""
-    if isinstance(config, TargetConfig):
-        return config
-    if isinstance(config, dict):
-        return TargetConfig.from_hf(config)
-    return TargetConfig.from_pretrained(config)
+    return _config(TargetConfig, config)
 
 
 def drafter_config(config: DrafterConfig | dict | str | Path) -> DrafterConfig:
     """Like ``target_config``, for a z-lab drafter config."""
-    if isinstance(config, DrafterConfig):
-        return config
-    if isinstance(config, dict):
-        return DrafterConfig.from_hf(config)
-    return DrafterConfig.from_pretrained(config)
+    return _config(DrafterConfig, config)
 
 
 def _on_device(build, seed: int):
