@@ -3,6 +3,8 @@
 Sits at the bottom of ``dflash_jax.train``: the tokenizer is trained on it, the target is pretrained
 on it, and the drafter/MTP data are the target's continuations of its snippets. Files are sorted and
 split into train / held-out by a hash of their relative path, so the split is the same everywhere.
+``prompt_windows`` cuts training prompts out of other prompt sets (HumanEval problems the evaluation
+never uses), so the drafter/MTP data also covers the prompts' style.
 """
 
 from __future__ import annotations
@@ -73,3 +75,21 @@ def eval_windows(stream: np.ndarray, length: int, count: int) -> np.ndarray:
     """``count`` evenly spaced, non-random windows [count, length] (a fixed held-out set)."""
     starts = np.linspace(0, len(stream) - length - 1, count).astype(np.int64)
     return np.stack([stream[s:s + length] for s in starts])
+
+
+def prompt_windows(prompts: list[list[int]], length: int, count: int, *, seed: int) -> np.ndarray:
+    """``count`` windows [count, length], each the last ``length`` tokens of a prefix of a prompt.
+
+    The first windows end where each prompt ends (where decoding starts); the rest end at random cut
+    points (seeded) of randomly drawn prompts. Prompts shorter than ``length`` are skipped.
+    """
+    usable = [np.asarray(p, np.int32) for p in prompts if len(p) >= length]
+    if not usable:
+        raise ValueError(f"no prompt has the {length} tokens a window needs (longest: "
+                         f"{max((len(p) for p in prompts), default=0)})")
+    rng = np.random.default_rng(seed)
+    ends = [(i, len(p)) for i, p in enumerate(usable)][:count]
+    while len(ends) < count:
+        i = int(rng.integers(len(usable)))
+        ends.append((i, int(rng.integers(length, len(usable[i]) + 1))))
+    return np.stack([usable[i][e - length:e] for i, e in ends])

