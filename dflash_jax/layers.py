@@ -19,6 +19,7 @@ from flax import nnx
 from dflash_jax import kernels
 from dflash_jax.cache import GDNCache, GDNPending
 from dflash_jax.config import TargetConfig
+from dflash_jax.kernels import mxfp4
 from dflash_jax.rope import rope
 
 
@@ -33,6 +34,9 @@ class Linear(nnx.Module):
         self.weight = _normal(rngs, (dout, din), dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        if hasattr(self, "weight_scale"):  # MXFP4 (quant.py): weight [out, in/2] e2m1 pairs + scales [out, in/32]
+            return mxfp4.mxfp4_linear(x, self.weight[...], self.weight_scale[...],
+                                      input_scale_mode=self.input_scale_mode, impl=self.kernels)
         return jnp.einsum("...i,oi->...o", x, self.weight[...])
 
 
@@ -107,6 +111,16 @@ class Experts(nnx.Module):
         self.gate_up_proj = _normal(rngs, (num, 2 * hidden, dim), dtype)
         self.down_proj = _normal(rngs, (num, dim, hidden), dtype)
 
+    def project(self, name: str, x: jax.Array, group_sizes: jax.Array, impl: str) -> jax.Array:
+        """x [M, Din] rows sorted by expert times the experts' ``name`` weight -> [M, Dout]; MXFP4 when
+        quant.py gave the weight a ``<name>_scale``."""
+        w = getattr(self, name)[...]
+        if not hasattr(self, name + "_scale"):
+            return kernels.grouped_matmul(x, w, group_sizes, impl=impl)
+        if self.input_scale_mode is not None:
+            x = mxfp4.qdq_mxfp4(x, self.input_scale_mode)
+        return mxfp4.mxfp4_grouped_matmul(x, w, getattr(self, name + "_scale")[...], group_sizes, impl=impl)
+
 
 class SparseMoeBlock(nnx.Module):
     """Qwen3.5 MoE: softmax over all experts (f32), top-k, renormalise; plus a sigmoid-gated shared expert."""
@@ -132,10 +146,10 @@ class SparseMoeBlock(nnx.Module):
         order = jnp.argsort(flat, stable=True)
         token = order // self.top_k
         sizes = jnp.bincount(flat, length=self.gate.weight.shape[0]).astype(jnp.int32)
-        h = kernels.grouped_matmul(x[token], self.experts.gate_up_proj[...], sizes, impl=self.kernels)  # [M*k, 2I]
+        h = self.experts.project("gate_up_proj", x[token], sizes, self.kernels)  # [M*k, 2I]
         I = h.shape[-1] // 2
         h = jax.nn.silu(h[:, :I]) * h[:, I:]
-        y = kernels.grouped_matmul(h, self.experts.down_proj[...], sizes, impl=self.kernels)  # [M*k, D]
+        y = self.experts.project("down_proj", h, sizes, self.kernels)  # [M*k, D]
         y = y * weights.reshape(-1)[order][:, None]
         routed = jnp.zeros_like(x).at[token].add(y)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -8,7 +8,7 @@ elsewhere). ``load_target`` asks this module which projections a checkpoint stor
 (``convert``); ``save_quark`` writes a quantized target back in Quark's layout. The drafter never
 comes here: it stays bf16.
 
-The format (``kernels/mxfp4.py``, re-exported here): e2m1 codes two per byte, the even-index element
+The format (``kernels/mxfp4.py``): e2m1 codes two per byte, the even-index element
 in the low nibble; one e8m0 scale byte s per 32 consecutive inputs, value 2^(s - 127). Parameter
 paths stay checkpoint keys: ``<module>.weight`` uint8 [out, in/2] + ``<module>.weight_scale`` uint8
 [out, in/32]; the fused MoE experts hold ``experts.gate_up_proj`` [E, 2I, D/2] +
@@ -31,22 +31,14 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax import checkpoint
-from dflash_jax.config import ConfigError, read_config_json
-from dflash_jax.kernels.mxfp4 import (
-    BLOCK,
-    SCALE_MODES,
-    dequantize_mxfp4,
-    pack_e2m1,
-    qdq_mxfp4,
-    quantize_mxfp4,
-    unpack_e2m1,
-)
+from dflash_jax.config import ConfigError, TargetConfig, read_config_json, read_generation_config
+from dflash_jax.kernels import mxfp4
+from dflash_jax.kernels.mxfp4 import BLOCK, SCALE_MODES
 from dflash_jax.layers import Experts, Linear
 
 __all__ = [
-    "BLOCK", "DEFAULT_EXCLUDE", "QuantConfig", "convert", "dequantize_mxfp4", "dequantize_modules", "layout",
-    "pack_e2m1", "plan", "qdq_mxfp4", "quantize_modules", "quantize_mxfp4", "restore_layout", "save_quark",
-    "unpack_e2m1",
+    "DEFAULT_EXCLUDE", "QuantConfig", "convert", "dequantize_modules", "layout", "plan", "quantize_modules",
+    "read_target_config", "restore_layout", "save_quark",
 ]
 
 # What stays bf16 unless told otherwise: Quark's public Qwen3.5 MoE export excludes these (and also
@@ -155,6 +147,16 @@ class QuantConfig:
         }
 
 
+def read_target_config(path) -> tuple[TargetConfig, QuantConfig | None]:
+    """A checkpoint directory's architecture and its MXFP4 storage (None: dense). ``TargetConfig``
+    refuses ``quantization_config`` by itself (it cannot honour one); here it is parsed and checked,
+    and the architecture read without it (generation_config.json's stop ids included)."""
+    raw, source = read_config_json(path)
+    qcfg = QuantConfig.from_hf(raw, source)
+    raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    return TargetConfig.from_hf(raw, source, generation=read_generation_config(path)), qcfg
+
+
 def _check_mx_spec(spec: dict, path: str, need, *, dynamic: bool):
     need(spec.get("dtype") == "fp4", f"{path}.dtype", f"= {spec.get('dtype')!r} is not supported; expected 'fp4'")
     need(spec.get("qscheme", "per_group") == "per_group", f"{path}.qscheme",
@@ -223,7 +225,7 @@ def _apply(module, paths, input_scale_mode: str | None, scale_mode: str) -> None
             packed = jax.ShapeDtypeStruct((*w.shape[:-1], K // 2), jnp.uint8)
             scale = jax.ShapeDtypeStruct((*w.shape[:-1], K // BLOCK), jnp.uint8)
         else:
-            packed, scale = quantize_mxfp4(w, scale_mode)
+            packed, scale = mxfp4.quantize_mxfp4(w, scale_mode)
         setattr(sub, attr, nnx.Param(packed))
         setattr(sub, attr + "_scale", nnx.Param(scale))
         sub.input_scale_mode = input_scale_mode  # static: part of the graph, so of every jit cache key
@@ -245,7 +247,8 @@ def dequantize_modules(module, dtype) -> list[str]:
     done = []
     for path, sub, attr, _ in _projections(module):
         if hasattr(sub, attr + "_scale"):
-            w = dequantize_mxfp4(getattr(sub, attr).get_value(), getattr(sub, attr + "_scale").get_value(), dtype)
+            scale = getattr(sub, attr + "_scale").get_value()
+            w = mxfp4.dequantize_mxfp4(getattr(sub, attr).get_value(), scale, dtype)
             setattr(sub, attr, nnx.Param(w))
             delattr(sub, attr + "_scale")
             done.append(path)

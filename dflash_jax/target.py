@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import checkpoint, sharding
+from dflash_jax import checkpoint, quant, sharding
 from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
@@ -279,7 +279,8 @@ CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax d
 
 
 def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None, kernels: str | None = None,
-                progress: bool = True, mesh: jax.sharding.Mesh | None = None) -> Target:
+                progress: bool = True, mesh: jax.sharding.Mesh | None = None,
+                quantized: bool | None = None) -> Target:
     """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
 
     Args:
@@ -290,18 +291,27 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
       kernels: kernel mode ("reference", "pallas", "interpret"); None: ``kernels.default_mode()``
         (``DFLASH_KERNELS``, else pallas on a GPU). ``Target.with_kernels`` changes it later.
       mesh: place each tensor straight onto its shards of this mesh (``sharding.PARAMS``); None: one device.
+      quantized: MXFP4 projections (True; a dense checkpoint is quantized as ``quant.QuantConfig()``
+        says) or dense ones (False; an MXFP4 checkpoint is dequantized to ``dtype``); None: as stored.
+        An MXFP4 checkpoint is AMD Quark's layout (``quantization_config``, see quant.py).
     """
     path = Path(path)
-    cfg = TargetConfig.from_pretrained(path)
+    cfg, qcfg = quant.read_target_config(path)  # qcfg None: a dense checkpoint
     if (path / CONVERTED).is_dir():
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
-        graphdef, abstract = nnx.split(_abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels))
+        model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
+        quant.restore_layout(model, meta.get("mxfp4"))
+        graphdef, abstract = nnx.split(model)
         if mesh is not None:
             abstract = sharding.abstract_on(abstract, mesh, cfg)
-        return Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
+        target = Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
+        return target if quantized is None else quant.convert(target, quantized)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
-    graphdef, abstract = nnx.split(_abstract_model(cfg, dtype, use_mtp, kernels))
+    model = _abstract_model(cfg, dtype, use_mtp, kernels)
+    if qcfg is not None:
+        quant.quantize_modules(model, qcfg)  # the stored layout: packed weights + scales where quantized
+    graphdef, abstract = nnx.split(model)
     flat = nnx.to_flat_state(abstract)
     expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
     ignore = [r"model\.visual\.", r"model\.language_model\.visual\.", r"visual\."]
@@ -312,7 +322,8 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     place = None if mesh is None else sharding.loader(mesh, cfg)
     arrays = checkpoint.load_state(path, expected, ignore=ignore, place=place, progress=progress)
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
-    return Target(cfg, graphdef, params)
+    target = Target(cfg, graphdef, params)
+    return target if quantized is None else quant.convert(target, quantized)
 
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
@@ -324,5 +335,6 @@ def save_converted(target: Target, source: str | Path, path: str | Path) -> None
         if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
             shutil.copy(f, path / f.name)
     checkpoint.save_params(path / CONVERTED / "params", target.params)
-    meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None}
+    meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
+            "mxfp4": quant.layout(target.module())}
     (path / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
