@@ -255,6 +255,10 @@ def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
     return logits
 
 
+def _positions(lengths: jax.Array, T: int) -> jax.Array:
+    return lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+
+
 class DrafterAttention(nnx.Module):
     """Qwen3 attention (q/k norms, full-head NeoX RoPE, GQA) whose cache is fed by the target."""
 
@@ -277,14 +281,50 @@ class DrafterAttention(nnx.Module):
         k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling)
         return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
 
+    def __call__(self, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, causal: bool,
+                 window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block's attention over ``[context ; block]``.
+
+        Args:
+          h: [B, T, D] normed block inputs at positions start[b] + t.
+          k_cache, v_cache: [B, S, K, H] holding the context K/V in rows [0, start[b]).
+          start: [B] int32 committed context length (the block's first position).
+        Returns:
+          (output [B, T, D], the caches with the block's K/V written into rows [start, start + T)).
+        """
+        cfg = self.cfg
+        B, T, _ = h.shape
+        N, H = cfg.num_attention_heads, cfg.head_dim
+        positions = _positions(start, T)
+        q = self.q_norm(self.q_proj(h).reshape(B, T, N, H))
+        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H, scaling=cfg.rope_scaling)
+        k, v = self.kv(h, positions)
+        # The block sits right behind the committed context, so one kernel call covers [context ; block].
+        k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
+        v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)
+        o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=causal, window=window, impl=self.kernels)
+        return self.o_proj(o.reshape(B, T, N * H)), k_cache, v_cache
+
 
 class DrafterLayer(nnx.Module):
-    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
+    """One Qwen3 decoder layer (pre-norm attention, then pre-norm SwiGLU), with its layer's mask settings."""
+
+    def __init__(self, cfg: DrafterConfig, index: int, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
+        self.causal = cfg.layer_causal(index)  # static: causal inside the block
+        self.window = cfg.layer_window(index)  # static: sliding window or None
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                 start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] at positions start[b] + t -> (x [B, T, D], caches with the block's K/V written)."""
+        o, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, start, causal=self.causal,
+                                             window=self.window)
+        x = x + o
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
 
 class DFlashDrafter(nnx.Module):
@@ -298,8 +338,8 @@ class DFlashDrafter(nnx.Module):
         self.kernels = kernels = dispatch.resolve(kernels)
         self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        self.layers = nnx.List([DrafterLayer(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
-                                for _ in range(cfg.num_hidden_layers)])
+        self.layers = nnx.List([DrafterLayer(cfg, i, dtype=dtype, kernels=kernels, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 
 
@@ -316,10 +356,6 @@ def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> Dr
     shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
     return DraftCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
-
-
-def _positions(lengths: jax.Array, T: int) -> jax.Array:
-    return lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
 
 
 def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) -> DraftCache:
@@ -356,27 +392,13 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
       K/V in rows [lengths, lengths + Bk): uncommitted, overwritten by the next ``write_context``).
     """
     cfg = drafter.cfg
-    B, Bk, _ = x.shape
-    N, H = cfg.num_attention_heads, cfg.head_dim
     x = x.astype(drafter.fc.weight.dtype)
     if cfg.input_embedding_scale != 1.0:  # z-lab scales the block's embeddings
         x = x * cfg.input_embedding_scale
     start = cache.lengths
-    positions = _positions(start, Bk)
     ks, vs = [], []
-    for i, (layer, kc, vc) in enumerate(zip(drafter.layers, cache.k, cache.v, strict=True)):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_norm(attn.q_proj(h).reshape(B, Bk, N, H))
-        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H, scaling=cfg.rope_scaling)
-        k, v = attn.kv(h, positions)
-        # The block sits right behind the committed context, so one kernel call covers [context ; block].
-        kc = write_rows(kc, k.astype(kc.dtype), start)
-        vc = write_rows(vc, v.astype(vc.dtype), start)
-        o = kernels.attention(q, kc, vc, start, start + Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i),
-                              impl=attn.kernels)
-        x = x + attn.o_proj(o.reshape(B, Bk, N * H))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
+        x, kc, vc = layer(x, kc, vc, start)
         ks.append(kc)
         vs.append(vc)
     return drafter.norm(x), DraftCache(k=tuple(ks), v=tuple(vs), lengths=start)

@@ -5,14 +5,16 @@ the target regenerates corpus snippets (``regenerate``); its taps over each whol
 computed once (the target is frozen). Per sequence, ``anchors`` distinct positions p are drawn from
 the generated region; block p is ``[x_p, MASK x (B-1)]`` at positions p..p+B-1 and offset k predicts
 x_{p+k} (same-position labels, k >= 1). All blocks of a sequence run in one forward
-(``block_hidden``) over ``[context K/V ; blocks]`` with a dense mask: a block sees the context
-strictly before its anchor and itself (bidirectionally; causally in sliding layers), nothing of other
-blocks. The loss is CE weighted by exp(-(k-1)/gamma), normalised by the weights' sum. The drafter
-shares the target's embedding and LM head, which stay frozen.
+(``block_hidden``): the decoder's own ``write_context`` + ``draft_block``, batched over anchors, so a
+block sees the context strictly before its anchor and itself (bidirectionally; causally in sliding
+layers), nothing of other blocks, exactly as at inference. The loss is CE weighted by
+exp(-(k-1)/gamma), normalised by the weights' sum. The drafter shares the target's embedding and LM
+head, which stay frozen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +25,17 @@ import optax
 from flax import nnx
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.drafter import DFlashDrafter, Drafter, DrafterConfig, draft_logits, init_drafter
-from dflash_jax.rope import rope
+from dflash_jax.drafter import (
+    DFlashDrafter,
+    Drafter,
+    DrafterConfig,
+    draft_block,
+    draft_logits,
+    init_draft_cache,
+    init_drafter,
+    write_context,
+)
+from dflash_jax.layers import with_kernels
 from dflash_jax.speculative import generate
 from dflash_jax.target import Target, forward
 from dflash_jax.train import loop
@@ -69,36 +80,13 @@ def compute_taps(target: Target, seqs: np.ndarray, taps: tuple[int, ...], *, bat
                            for i in range(0, len(seqs), batch)])
 
 
-def _attend(q, k, v, mask):
-    """Dense GQA attention. q [B, Q, N, H]; k, v [B, S, K, H]; mask [B, Q, S] bool -> [B, Q, N, H]."""
-    B, Q, N, H = q.shape
-    K = k.shape[2]
-    qg = q.reshape(B, Q, K, N // K, H)
-    s = jnp.einsum("bqkgh,bskh->bkgqs", qg, k, preferred_element_type=jnp.float32) * H**-0.5
-    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqs,bskh->bqkgh", p, v).reshape(B, Q, N, H)
-
-
-def block_mask(anchors: jax.Array, S: int, block: int, *, causal: bool, window: int | None) -> jax.Array:
-    """[B, N*Bk, S + N*Bk] bool: block n sees context kv < anchor_n and its own block (causal if asked)."""
-    B, N = anchors.shape
-    qpos = (anchors[:, :, None] + jnp.arange(block)).reshape(B, N * block)  # [B, Q] absolute positions
-    qblk = jnp.repeat(jnp.arange(N), block)  # [Q] block of each query
-    qoff = jnp.tile(jnp.arange(block), N)  # [Q] offset inside the block
-    ctx = jnp.arange(S)[None, None, :] < jnp.repeat(anchors, block, axis=1)[:, :, None]  # [B, Q, S]
-    own = qblk[:, None] == qblk[None, :]  # [Q, Q]
-    if causal:
-        own = own & (qoff[None, :] <= qoff[:, None])
-    mask = jnp.concatenate([ctx, jnp.broadcast_to(own, (B,) + own.shape)], axis=-1)
-    if window is not None:
-        kpos = jnp.concatenate([jnp.broadcast_to(jnp.arange(S), (B, S)), qpos], axis=1)  # [B, S + Q]
-        mask = mask & (kpos[:, None, :] > qpos[:, :, None] - window)
-    return mask
-
-
 def block_hidden(drafter: DFlashDrafter, taps: jax.Array, x: jax.Array, anchors: jax.Array) -> jax.Array:
-    """The training forward: every block of every sequence in one pass.
+    """The training forward: every block of every sequence, through the decoder's own ``draft_block``.
+
+    The whole sequence's context K/V is written once; each anchor then sees it as a cache whose
+    committed length is the anchor (its block's K/V overwrite the rows from there on), so block n
+    attends to the context strictly before anchors[n] and to itself, nothing of other blocks. The
+    attention runs in the plain-jnp ``reference`` mode (differentiable, the Pallas kernels are not).
 
     Args:
       taps: [B, S, n*Dt] target features of the whole sequence (positions 0..S-1).
@@ -107,26 +95,16 @@ def block_hidden(drafter: DFlashDrafter, taps: jax.Array, x: jax.Array, anchors:
     Returns:
       [B, N, Bk, D] final-normed drafter states (for the target's LM head).
     """
-    cfg = drafter.cfg
-    B, N, Bk, D = x.shape
-    S, Nh, H = taps.shape[1], cfg.num_attention_heads, cfg.head_dim
-    dtype = drafter.fc.weight.dtype
-    c = drafter.hidden_norm(drafter.fc(taps.astype(dtype)))  # [B, S, D]: injected into every layer's K/V
-    ctx_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    pos = (anchors[:, :, None] + jnp.arange(Bk, dtype=jnp.int32)).reshape(B, N * Bk)  # [B, Q]
-    h = x.reshape(B, N * Bk, D).astype(dtype)
-    for i, layer in enumerate(drafter.layers):
-        attn = layer.self_attn
-        a = layer.input_layernorm(h)
-        q = rope(attn.q_norm(attn.q_proj(a).reshape(B, N * Bk, Nh, H)), pos, theta=cfg.rope_theta, rotary_dim=H,
-                 scaling=cfg.rope_scaling)
-        kc, vc = attn.kv(c, ctx_pos)
-        kb, vb = attn.kv(a, pos)
-        mask = block_mask(anchors, S, Bk, causal=cfg.layer_causal(i), window=cfg.layer_window(i))
-        o = _attend(q, jnp.concatenate([kc, kb], 1), jnp.concatenate([vc, vb], 1), mask)
-        h = h + attn.o_proj(o.reshape(B, N * Bk, Nh * H))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return drafter.norm(h).reshape(B, N, Bk, D)
+    drafter = with_kernels(drafter, "reference")
+    B, S = taps.shape[:2]
+    # Room for a block that runs past the sequence's end, so no write is clipped.
+    cache = init_draft_cache(drafter.cfg, B, S + x.shape[2], drafter.fc.weight.dtype)
+    cache = write_context(drafter, cache, taps)
+
+    def one(anchor, block):  # anchor [B], block [B, Bk, D] -> [B, Bk, D]
+        return draft_block(drafter, dataclasses.replace(cache, lengths=anchor), block)[0]
+
+    return jax.vmap(one, in_axes=(1, 1), out_axes=1)(anchors, x)
 
 
 def drafter_loss_fn(drafter_graphdef, target_graphdef, cfg: DrafterConfig, gamma: float | None = None):
