@@ -18,9 +18,9 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax import bench, runtime
+from dflash_jax import bench, quant, runtime
 from dflash_jax.checkpoint import CheckpointError
-from dflash_jax.config import ConfigError, TargetConfig
+from dflash_jax.config import ConfigError
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative import stream
 
@@ -146,7 +146,7 @@ def check_request(args) -> Request:
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
     model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
-    cfg = TargetConfig.from_pretrained(model_dir)
+    cfg, _ = quant.read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
     draft_block = None
     if draft_dir is not None:
         from dflash_jax.drafter import DrafterConfig
@@ -357,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no loading progress bars or notes")
     g.set_defaults(func=cmd_generate)
     bench.add_parser(sub)
+    quant.add_parser(sub)
     from dflash_jax.train.cli import add_commands
 
     add_commands(sub)

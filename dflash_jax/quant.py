@@ -43,7 +43,8 @@ __all__ = [
 
 # What stays bf16 unless told otherwise: Quark's public Qwen3.5 MoE export excludes these (and also
 # *.linear_attn.* and *.self_attn.*, which ``--exclude`` adds back). The LM head is shared with the
-# drafter, which reads it as a plain matrix, so it is always excluded.
+# drafter, which reads it as a plain matrix, and the MTP head is built dense by its proposer: an
+# ``exclude`` that leaves either quantized is refused.
 DEFAULT_EXCLUDE = ("lm_head", "model.visual.*", "mtp.*", "*mlp.gate", "*shared_expert_gate*")
 _FULL_PREFIX = "model.language_model."  # the multimodal checkpoints' name for our "model."
 
@@ -204,6 +205,9 @@ def plan(module, qcfg: QuantConfig) -> list[str]:
         if path == "lm_head.weight":
             raise ConfigError("quantization_config.exclude must cover 'lm_head': the drafter shares the "
                               "target's LM head and reads it as a bf16 matrix")
+        if path.startswith("mtp."):
+            raise ConfigError(f"quantization_config.exclude must cover 'mtp.*' ({path!r} is not excluded): the "
+                              "MTP proposer builds the head from the config and reads its weights dense")
         width = getattr(sub, attr).get_value().shape[-1] * (2 if hasattr(sub, attr + "_scale") else 1)
         if width % BLOCK == 0:  # the input width, whether the weight is dense or already packed
             out.append(path)
@@ -365,3 +369,57 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
     total = sum(a.nbytes for a in tensors.values())
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# dflash-jax quantize
+
+
+def quantize_checkpoint(model, out, *, exclude: tuple[str, ...] = (), input_scale_mode: str | None = None,
+                        dtype=None, progress: bool = True) -> list[str]:
+    """A dense Hugging Face checkpoint directory ``model`` -> an MXFP4 one at ``out`` in Quark's layout
+    (readable by ``load_target`` and by other engines). Weights are quantized from their stored
+    values (read as f32) with the OCP scale rule; ``exclude`` adds patterns to ``DEFAULT_EXCLUDE``;
+    dense tensors are written in ``dtype`` (None: the checkpoint's own ``torch_dtype``/``dtype``,
+    else bfloat16). Returns the weight paths quantized."""
+    from dflash_jax.target import load_target  # target.py imports this module
+
+    cfg_raw, source = read_config_json(model)
+    if cfg_raw.get("quantization_config") is not None:
+        raise ConfigError(f"{source}: quantization_config is already set; quantize reads a dense checkpoint")
+    if dtype is None:
+        stored = cfg_raw.get("torch_dtype") or cfg_raw.get("dtype")
+        dtype = jnp.float32 if stored == "float32" else jnp.bfloat16
+    qcfg = QuantConfig(exclude=(*DEFAULT_EXCLUDE, *exclude), input_scale_mode=input_scale_mode)
+    target = convert(load_target(model, dtype=jnp.float32, kernels="reference", progress=progress), True, qcfg)
+    quantized = layout(target.module())
+    if quantized is None:
+        raise ConfigError(f"quantize: nothing to quantize in {model}: every projection is excluded "
+                          f"({', '.join(qcfg.exclude)}) or has an input width that is not a multiple of {BLOCK}")
+    save_quark(target, qcfg, model, out, dtype=dtype)
+    return quantized["quantized"]
+
+
+def add_parser(sub) -> None:
+    """Registers ``quantize`` on the ``dflash-jax`` subcommands."""
+    q = sub.add_parser("quantize", help="write an MXFP4 copy of a target checkpoint in AMD Quark's layout")
+    q.add_argument("--model", required=True, help="dense target checkpoint directory")
+    q.add_argument("--out", required=True, help="output checkpoint directory")
+    q.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
+                   help="module pattern that stays dense, added to " + ", ".join(DEFAULT_EXCLUDE)
+                   + " (repeatable; glob, or 're:REGEX' as in Quark; e.g. '*.self_attn.*')")
+    q.add_argument("--input-scale-mode", choices=SCALE_MODES, default=None,
+                   help="also record dynamic MXFP4 activations (Quark's input_tensors) with this scale rule; "
+                   "default: weight-only")
+    q.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="dtype of the tensors left dense (default: the checkpoint's own, else bfloat16)")
+    q.add_argument("--quiet", action="store_true", help="no loading progress bars")
+    q.set_defaults(func=_cmd_quantize)
+
+
+def _cmd_quantize(args) -> int:
+    dtype = None if args.dtype is None else jnp.dtype(args.dtype)
+    paths = quantize_checkpoint(args.model, args.out, exclude=tuple(args.exclude),
+                                input_scale_mode=args.input_scale_mode, dtype=dtype, progress=not args.quiet)
+    print(f"{len(paths)} projections MXFP4 -> {args.out}")
+    return 0

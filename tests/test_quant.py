@@ -19,7 +19,7 @@ from dflash_jax.drafter import DrafterConfig, init_drafter
 from dflash_jax.kernels import mxfp4
 from dflash_jax.mtp import MTPProposer, mtp_params
 from dflash_jax.speculative import generate
-from dflash_jax.target import init_target, load_target, save_converted
+from dflash_jax.target import Qwen35ForCausalLM, init_target, load_target, save_converted
 
 # e2m1 magnitudes by code 0..7 (OCP MX spec: bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa).
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -390,9 +390,67 @@ def test_config_without_input_tensors_is_weight_only_and_absent_is_dense():
     assert quant.QuantConfig.from_hf(on).input_scale_mode == "even"  # Quark's default rule
 
 
+def _abstract(kind, mtp=False):
+    return nnx.eval_shape(lambda: Qwen35ForCausalLM(CONFIGS[kind], mtp=mtp, rngs=nnx.Rngs(0)))
+
+
 def test_exclude_must_keep_lm_head_and_whole_experts():
-    model = init_target(CONFIGS["moe"]).module()
+    model = _abstract("moe")
     with pytest.raises(ConfigError, match="lm_head"):
         quant.plan(model, quant.QuantConfig(exclude=()))
     with pytest.raises(ConfigError, match="only some experts"):
         quant.plan(model, quant.QuantConfig(exclude=("lm_head", "*.experts.1.*")))
+
+
+def test_exclude_must_keep_the_mtp_head():
+    model = _abstract("dense", mtp=True)
+    with pytest.raises(ConfigError, match=r"mtp\.\*"):
+        quant.plan(model, quant.QuantConfig(exclude=("lm_head",)))
+
+
+def test_quark_input_tensors_turn_activation_qdq_on(tmp_path):
+    """A Quark config with dynamic MXFP4 ``input_tensors`` loads with activation quantize-dequantize in
+    every quantized projection; the same bytes without it load weight-only."""
+    target = init_target(CONFIGS["dense"], dtype=jnp.float32, seed=7)
+    _write_dense(target, tmp_path / "src")
+    qcfg = quant.QuantConfig(input_scale_mode="even")
+    quant.save_quark(quant.convert(target, True, qcfg), qcfg, tmp_path / "src", tmp_path / "on", dtype=jnp.float32)
+    raw = json.loads((tmp_path / "on" / "config.json").read_text())
+    assert raw["quantization_config"]["global_quant_config"]["input_tensors"]["is_dynamic"] is True
+    on = load_target(tmp_path / "on", dtype=jnp.float32, progress=False)
+    assert quant.layout(on.module())["input_scale_mode"] == "even"
+    del raw["quantization_config"]["global_quant_config"]["input_tensors"]
+    (tmp_path / "on" / "config.json").write_text(json.dumps(raw))
+    off = load_target(tmp_path / "on", dtype=jnp.float32, progress=False)
+    assert quant.layout(off.module())["input_scale_mode"] is None
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 32)), jnp.float32)
+    lin_on, lin_off = on.module().model.layers[0].mlp.up_proj, off.module().model.layers[0].mlp.up_proj
+    np.testing.assert_array_equal(np.asarray(lin_on(x)), np.asarray(lin_off(mxfp4.qdq_mxfp4(x, "even"))))
+    assert not np.array_equal(np.asarray(lin_on(x)), np.asarray(lin_off(x)))
+
+
+@pytest.mark.slow
+def test_cli_quantize_then_generate(tmp_path, capsys):
+    """``dflash-jax quantize`` writes the Quark layout; ``generate --model`` on it decodes exactly as the
+    quantized target loaded from Python does."""
+    from dflash_jax import cli
+    from dflash_jax.runtime import ASSETS, encode, load_tokenizer
+
+    cfg = TargetConfig(**{**_COMMON, "vocab_size": 4096}, intermediate_size=64)  # the shipped tokenizer's vocab
+    _write_dense(init_target(cfg, dtype=jnp.float32, seed=8), tmp_path / "src")
+    raw = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**raw, "vocab_size": 4096}))
+    out = tmp_path / "q"
+    assert cli.main(["quantize", "--model", str(tmp_path / "src"), "--out", str(out), "--exclude", "*.self_attn.*",
+                     "--quiet"]) == 0
+    assert "projections MXFP4" in capsys.readouterr().out
+    assert "*.self_attn.*" in json.loads((out / "config.json").read_text())["quantization_config"]["exclude"]
+    tok = str(ASSETS / "target")
+    assert cli.main(["generate", "def f(x):", "--model", str(out), "--tokenizer", tok, "--max-new-tokens", "6",
+                     "--block-size", "1", "--ignore-eos", "--chat-template", "off", "--no-compare", "--json",
+                     "--quiet"]) == 0
+    got = json.loads(capsys.readouterr().out)["completions"][0]["tokens"]
+    q = load_target(out, dtype=jnp.float32, progress=False)
+    assert any(".mlp." in n for n in quant.layout(q.module())["quantized"])
+    prompt = encode(load_tokenizer(tok), "def f(x):", "off")
+    assert generate(q, [prompt], block_size=1, max_new_tokens=6, stop_ids=()).token_lists()[0] == got
