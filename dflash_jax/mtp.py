@@ -21,6 +21,7 @@ from flax import nnx
 
 from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
+from dflash_jax.kernels import dispatch as kernel_modes
 from dflash_jax.proposers import TargetView
 from dflash_jax.sampling import SamplingConfig, draft_tokens
 from dflash_jax.target import MTP, Target, TargetOutput
@@ -71,14 +72,15 @@ class MTPProposer:
     """Drafts with the target's MTP head; ``num_steps`` (vLLM's num_speculative_tokens) is k at most.
 
     Its params are the head's weights, the target's ``mtp`` subtree: pass
-    ``(MTPProposer(target.cfg, k), target.params["mtp"])`` where a drafter goes (``mtp_params``
-    says why a target has none). ``init`` needs the prompt tokens, which the entries pair with.
+    ``(MTPProposer(target.cfg, k, kernels=target.kernels), target.params["mtp"])`` where a drafter
+    goes (``mtp_params`` says why a target has none). ``init`` needs the prompt tokens, which the entries pair with.
     """
 
     cfg: TargetConfig
     num_steps: int
     taps: tuple[int, ...] = ()
-    # The head's graph, derived from cfg (so equal configs give equal, hashable proposers).
+    kernels: str | None = None  # the head's attention kernel mode (None: ``kernels.default_mode()``)
+    # The head's graph, derived from cfg and kernels (so equal settings give equal, hashable proposers).
     graphdef: nnx.GraphDef = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -87,7 +89,8 @@ class MTPProposer:
                              f"mtp_num_hidden_layers={self.cfg.mtp_num_hidden_layers}")
         if not 1 <= self.num_steps <= 15:
             raise ValueError(f"num_steps must be in 1..15, got {self.num_steps}")
-        head = nnx.eval_shape(lambda: MTP(self.cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        object.__setattr__(self, "kernels", kernel_modes.resolve(self.kernels))
+        head = nnx.eval_shape(lambda: MTP(self.cfg, dtype=jnp.float32, kernels=self.kernels, rngs=nnx.Rngs(0)))
         object.__setattr__(self, "graphdef", nnx.graphdef(head))
 
     @property
