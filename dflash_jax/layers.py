@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import kernels
+from dflash_jax import kernels, sharding
 from dflash_jax.cache import GDNCache, GDNPending
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import mxfp4
@@ -137,23 +137,32 @@ class SparseMoeBlock(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [M, D]
-        logits = self.gate(x)
-        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)  # [M, k]
-        weights = (weights / weights.sum(-1, keepdims=True)).astype(x.dtype)
-        # Sort the (token, expert) pairs by expert so each expert sees one contiguous group of rows.
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat, stable=True)
-        token = order // self.top_k
-        sizes = jnp.bincount(flat, length=self.gate.weight.shape[0]).astype(jnp.int32)
-        h = self.experts.project("gate_up_proj", x[token], sizes, self.kernels)  # [M*k, 2I]
-        I = h.shape[-1] // 2
-        h = jax.nn.silu(h[:, :I]) * h[:, I:]
-        y = self.experts.project("down_proj", h, sizes, self.kernels)  # [M*k, D]
-        y = y * weights.reshape(-1)[order][:, None]
-        routed = jnp.zeros_like(x).at[token].add(y)
+        # On a mesh the experts are split over devices and this runs once per device (sharding.py).
+        routed = sharding.over_experts(self._routed, x, self.experts, self.gate)
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return (routed + shared).reshape(shape)
+
+    def _routed(self, x: jax.Array, experts: Experts, gate: Linear, first) -> jax.Array:
+        """x [M, D] through the experts ``experts`` holds, global ids first .. first + E_l - 1 (all of
+        them on one device): their weighted sum per token [M, D]; tokens routed elsewhere add zero."""
+        probs = jax.nn.softmax(gate(x).astype(jnp.float32), axis=-1)
+        weights, chosen = jax.lax.top_k(probs, self.top_k)  # [M, k] global expert ids
+        weights = (weights / weights.sum(-1, keepdims=True)).astype(x.dtype)
+        num = experts.gate_up_proj.shape[0]  # E_l
+        local = chosen - first
+        mine = (local >= 0) & (local < num)
+        # Sort the (token, expert) pairs by expert so each expert sees one contiguous group of rows;
+        # pairs for other devices' experts sort last, past every group (the kernels give them zeros).
+        flat = jnp.where(mine, local, num).reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        token = order // self.top_k
+        sizes = jnp.bincount(flat, length=num + 1)[:num].astype(jnp.int32)
+        h = experts.project("gate_up_proj", x[token], sizes, self.kernels)  # [M*k, 2I]
+        I = h.shape[-1] // 2
+        h = jax.nn.silu(h[:, :I]) * h[:, I:]
+        y = experts.project("down_proj", h, sizes, self.kernels)  # [M*k, D]
+        y = y * jnp.where(mine, weights, 0).reshape(-1)[order][:, None]
+        return jnp.zeros_like(x).at[token].add(y)
 
 
 class GatedAttention(nnx.Module):

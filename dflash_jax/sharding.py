@@ -20,13 +20,18 @@ k_proj/v_proj and the attention K/V caches are replicated on every model shard.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -38,7 +43,7 @@ AXES = ("data", "model", "expert")
 
 # Logical axis -> mesh axis. Logical names not listed (the residual width D, head_dim, the cache
 # length S, the GDN conv channels) are never sharded.
-RULES: dict[str, str] = {
+RULES: dict[str, str | tuple[str, ...]] = {
     "batch": "data",  # rows of a batch: prompts, caches, loop state
     "vocab": "model",  # embedding rows and LM head rows (vocab-parallel)
     "heads": "model",  # attention query heads N (q_proj rows with their gates, o_proj columns)
@@ -46,7 +51,9 @@ RULES: dict[str, str] = {
     "v_heads": "model",  # GDN value heads Hv (z/a/b projections, decay, out_proj, the state [B, Hv, Dk, Dv])
     "k_heads": "model",  # GDN key heads Hk (the L2-normalised keys kept pending by a verify)
     "mlp": "model",  # MLP width F (dense MLP, shared expert, drafter MLP)
-    "experts": "expert",  # routed experts E
+    # Routed experts E over the model and expert axes together (vLLM's expert parallel: EP = TP x EP
+    # devices), so a TP-only mesh holds each expert once, not once per model shard.
+    "experts": ("model", "expert"),
 }
 
 # Parameter path (dots, as in the HF checkpoint; weights [out, in]) -> logical axes per dimension.
@@ -122,14 +129,14 @@ class Layout:
     def of(cls, cfg: TargetConfig | DrafterConfig, mesh: Mesh) -> Layout:
         return cls(mesh, unit_counts(cfg))
 
-    def mesh_axis(self, logical: str | None, dim: int | None = None) -> str | None:
-        """The mesh axis for a logical axis, or None (replicated) when the mesh axis does not divide it."""
-        axis = RULES.get(logical)
+    def mesh_axis(self, logical: str | None, dim: int | None = None) -> str | tuple[str, ...] | None:
+        """The mesh axis (or axes) for a logical axis, or None (replicated) when they do not divide it."""
+        axis = _used(self.mesh, RULES.get(logical))
         if axis is None:
             return None
-        size = self.mesh.shape[axis]
+        size = _size(self.mesh, axis)
         units = self.counts.get(logical, dim)
-        if size == 1 or (units is not None and units % size) or (dim is not None and dim % size):
+        if (units is not None and units % size) or (dim is not None and dim % size):
             return None
         return axis
 
@@ -145,11 +152,22 @@ class Layout:
         """Human-readable list of the logical axes this mesh cannot shard, and why."""
         out = []
         for name, units in sorted(self.counts.items()):
-            axis = RULES[name]
-            size = self.mesh.shape[axis]
-            if size > 1 and units % size:
-                out.append(f"{name} ({units}) replicated: not divisible by the {axis} axis ({size})")
+            axis = _used(self.mesh, RULES[name])
+            if axis is not None and units % _size(self.mesh, axis):
+                out.append(f"{name} ({units}) replicated: not divisible by the {axis} axis "
+                           f"({_size(self.mesh, axis)})")
         return out
+
+
+def _used(mesh: Mesh, axis: str | tuple[str, ...] | None) -> str | tuple[str, ...] | None:
+    """The mesh axes of a rule that have more than one device (a name, a tuple of names, or None)."""
+    names = (axis,) if isinstance(axis, str) else tuple(axis or ())
+    names = tuple(a for a in names if mesh.shape[a] > 1)
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _size(mesh: Mesh, axis: str | tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
 
 
 def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:
@@ -212,7 +230,9 @@ def state_shardings(state, batch: int, target: Layout, draft: Layout | None = No
         out = {}
         for f in dataclasses.fields(x):
             value = getattr(x, f.name)
-            if f.name in fields:
+            if f.metadata.get("static"):  # e.g. GDNPending.kernels: part of the tree's structure
+                out[f.name] = value
+            elif f.name in fields:
                 out[f.name] = jax.tree.map(lambda a, axes=fields[f.name]: layout.sharding(axes, a.shape), value)
             else:
                 out[f.name] = state_shardings(value, batch, target, draft)
@@ -251,6 +271,52 @@ def pin_state(state, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
     return constrain_state(state, state.anchor.shape[0], target, draft)
 
 
+def over_experts(routed, x: jax.Array, experts, router) -> jax.Array:
+    """The routed-expert part of an MoE layer, expert-parallel when traced under a loop's mesh.
+
+    ``routed(x [M, D], experts, router, first) -> [M, D]`` must sum, per token, the contributions of
+    the experts the ``experts`` module holds (global ids ``first`` .. ``first + E_l - 1``; tokens routed
+    elsewhere add nothing); ``router`` (a module) scores all E. Without a mesh in context
+    (``mesh_context``), or when the expert axes do not divide E, it runs once over every expert
+    (first = 0). On a mesh it runs in ``shard_map``: each device holds E / (model x expert) experts
+    (``RULES["experts"]``), the whole router and the rows of its data shard; it routes them all,
+    applies its own experts, and one ``psum`` over the expert axes adds the parts (the psum scheme of
+    JAX's LLM examples: no token exchange, one all-reduce of [M, D] per layer, the cheaper choice at
+    decode's few tokens per step).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    num = jax.tree.leaves(nnx.state(experts))[0].shape[0]
+    axis = None if not set(AXES) <= set(mesh.axis_names) else Layout(mesh, {"experts": num}).mesh_axis("experts")
+    if axis is None:
+        return routed(x, experts, router, 0)
+    (egraph, estate), (rgraph, rstate) = nnx.split(experts), nnx.split(router)
+    local = num // _size(mesh, axis)
+    rows = Layout(mesh, {}).mesh_axis("batch", x.shape[0])
+
+    def body(x, estate, rstate):
+        first = jax.lax.axis_index(axis) * local
+        return jax.lax.psum(routed(x, nnx.merge(egraph, estate), nnx.merge(rgraph, rstate), first), axis)
+
+    specs = (P(rows), jax.tree.map(lambda _: P(axis), estate), jax.tree.map(lambda _: P(), rstate))
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(rows))(x, estate, rstate)
+
+
+def mesh_context(mesh: Mesh | None):
+    """The context a loop phase traces in: ``mesh`` as JAX's abstract mesh (read by ``over_experts``);
+    nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def host(tree):
+    """Numpy copies of a pytree of arrays, whole even when their rows are spread over processes
+    (``multihost_utils.process_allgather``); every process must call it."""
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.array(x)
+    return jax.tree.map(one, tree)
+
+
 def batch_sharding(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     """Rows over the data axis (replicated when it does not divide them): prompts [B, P], lengths [B]."""
     return Layout(mesh, {}).sharding(("batch",) + (None,) * (len(shape) - 1), shape)
@@ -285,3 +351,59 @@ def collectives(hlo: str) -> list[dict]:
                     "bytes": sum(_BYTES.get(t, 4) * int(np.prod(shape)) for t, shape in arrays),
                     "name": name[1] if name else m["name"]})
     return out
+
+
+# ----------------------------------------------------------------------------------- CLI and processes
+
+
+def add_arguments(parser) -> None:
+    """The scale-out flags (vLLM's names for the sizes, JAX's for joining processes) on a CLI parser."""
+    g = parser.add_argument_group("scale-out (a device mesh; several processes)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices on the model axis: heads, MLP width, vocabulary (and experts) split over them")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="devices on the data axis: rows of a batch")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="devices on the expert axis: MoE experts split over tensor x expert parallel devices")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run (jax.distributed.initialize): the flags below, else "
+                        "JAX_COORDINATOR_ADDRESS, else detected (Slurm, Open MPI, TPU); implied by them")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, the same on every process")
+    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+
+
+def mesh_from_args(args) -> Mesh | None:
+    """Joins the processes the flags ask for, silences stdout on all but process 0, and returns the mesh
+    of the parallel sizes (None when they are all 1 in one process: the unsharded, one-device path).
+
+    The sizes' product must equal the global device count (every process's devices); a clear error
+    names the flags otherwise. Call before any other JAX work (``jax.distributed.initialize``'s rule).
+    """
+    sizes = {flag: getattr(args, flag.replace("-", "_"))
+             for flag in ("data-parallel-size", "tensor-parallel-size", "expert-parallel-size")}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    join = {k: getattr(args, k) for k in ("coordinator_address", "num_processes", "process_id")}
+    if args.distributed or any(v is not None for v in join.values()) or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        if join["num_processes"] is not None and join["num_processes"] < 1:
+            raise ValueError(f"--num-processes must be >= 1, got {join['num_processes']}")
+        if join["process_id"] is not None and not 0 <= join["process_id"] < (join["num_processes"] or 2**31):
+            raise ValueError(f"--process-id {join['process_id']} is outside 0 .. --num-processes - 1")
+        jax.distributed.initialize(**join)
+    if jax.process_index() != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- open for the process's life: only process 0 prints
+    data, model, expert = sizes.values()
+    if data * model * expert == 1 and jax.process_count() == 1:
+        return None  # one device (of however many this process sees)
+    if data * model * expert != jax.device_count():
+        raise ValueError(f"--data-parallel-size {data} x --tensor-parallel-size {model} x --expert-parallel-size "
+                         f"{expert} = {data * model * expert}, but the run has {jax.device_count()} devices "
+                         f"({jax.process_count()} process(es) of {jax.local_device_count()}); the product must "
+                         f"equal the device count")
+    return make_mesh(data=data, model=model, expert=expert)
+
+
+def is_writer() -> bool:
+    """Whether this process writes files and prints (process 0 of a multi-process run, or the only one)."""
+    return jax.process_index() == 0

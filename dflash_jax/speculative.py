@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax import sharding
 from dflash_jax.cache import TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.proposers import DFlashProposer, NoProposer, Proposer, TargetView
@@ -124,7 +125,7 @@ class GenerateOutput:
 
     def token_lists(self) -> list[list[int]]:
         """Per-row token ids, cut at each row's length."""
-        tokens, lengths = np.asarray(self.tokens), np.asarray(self.lengths)
+        tokens, lengths = sharding.host((self.tokens, self.lengths))  # all rows, on every process
         return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
 
     def finish_names(self) -> list[str]:
@@ -161,6 +162,17 @@ def _memory_bytes() -> tuple[int | None, str]:
         return None, str(device)
 
 
+def _phase(**jit_options):
+    """A loop phase: jitted with the loop static, traced under its mesh (``sharding.mesh_context``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def traced(self, *args, **kwargs):
+            with sharding.mesh_context(self.mesh):
+                return fn(self, *args, **kwargs)
+        return jax.jit(traced, static_argnames="self", **jit_options)
+    return wrap
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SpeculativeLoop:
     """One configuration of the loop: the target's config and graph, the proposer, the spec (all static).
@@ -182,6 +194,7 @@ class SpeculativeLoop:
     graphdef: nnx.GraphDef
     proposer: Proposer
     spec: SpecConfig
+    mesh: jax.sharding.Mesh | None = None  # the state is pinned to ``sharding.state_shardings`` on it
     _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -194,14 +207,17 @@ class SpeculativeLoop:
             raise ValueError(f"top_k {self.spec.sampling.top_k} exceeds the target's vocabulary of "
                              f"{self.cfg.vocab_size}")
         # Hashed on every jitted call: the graphs are large, so hash them once.
-        object.__setattr__(self, "_hash", hash((self.cfg, self.graphdef, self.proposer, self.spec)))
+        object.__setattr__(self, "_hash", hash((self.cfg, self.graphdef, self.proposer, self.spec, self.mesh)))
 
     def __hash__(self) -> int:
         return self._hash
 
     @classmethod
-    def of(cls, target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig()):
-        return cls(cfg=target.cfg, graphdef=target.graphdef, proposer=proposer, spec=spec)
+    def of(cls, target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(),
+           mesh: jax.sharding.Mesh | None = None):
+        """The loop of a target; with a ``mesh`` its phases trace under it (MoE layers run expert-parallel)
+        and the state keeps one layout across steps (params, prompts: ``sharding.shard_params``/``shard_rows``)."""
+        return cls(cfg=target.cfg, graphdef=target.graphdef, proposer=proposer, spec=spec, mesh=mesh)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -237,7 +253,7 @@ class SpeculativeLoop:
         peak = jnp.max(jnp.abs(logits.astype(jnp.float32)), axis=-1)  # NaN propagates through max
         return jnp.isfinite(peak / t if t > 0 else peak)
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @_phase()
     def init(self, params, prompts, prompt_lens, rng) -> LoopState:
         """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token."""
         tparams, pparams = params
@@ -255,15 +271,19 @@ class SpeculativeLoop:
         finite = self._finite(out.logits)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
                            jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
-        return LoopState(
+        return self._pin(LoopState(
             cache=cache, proposer=state, anchor=first,
             out=jnp.zeros((B, max_new + block), jnp.int32).at[:, 0].set(first),
             n_out=finite.astype(jnp.int32),
             finish=jnp.where(finite, finish, FinishReason.NONFINITE).astype(jnp.int32), keys=keys,
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
-            accepted=jnp.zeros((B, block), jnp.int32))
+            accepted=jnp.zeros((B, block), jnp.int32)))
 
-    @functools.partial(jax.jit, static_argnames="self")
+    def _pin(self, state: LoopState) -> LoopState:
+        """The state in its mesh layout (no-op without a mesh), so no step gathers a cache."""
+        return sharding.pin_state(state, self.mesh, self.cfg, self.proposer)
+
+    @_phase()
     def draft(self, params, state: LoopState) -> Draft:
         """Phase 1: the proposer's k = block_size - 1 drafts after each row's anchor."""
         tparams, pparams = params
@@ -273,14 +293,14 @@ class SpeculativeLoop:
             k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
         return Draft(tokens=tokens, q=q, proposer=pstate, accept_keys=keys[:, 1])
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @_phase()
     def check(self, params, state: LoopState, draft: Draft) -> Verified:
         """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
         block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1]
         out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps)
         return Verified(out=out, cache=cache)
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @_phase()
     def settle(self, params, state: LoopState, draft: Draft, verified: Verified) -> LoopState:
         """Phase 3: accept, emit (cut at stop ids, max_new_tokens, non-finite logits), commit target and proposer."""
         tparams, pparams = params
@@ -306,33 +326,33 @@ class SpeculativeLoop:
         n = jnp.where(active, a + 1, 0)  # a row that finished here commits too; nothing reads it again
         pstate = self.proposer.commit(params=pparams, view=TargetView.of(tparams), state=draft.proposer,
                                       verified=verified.out, n=n)
-        return LoopState(
+        return self._pin(LoopState(
             cache=commit(verified.cache, n), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
-            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None])))
+            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None]))))
 
-    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
+    @_phase(donate_argnames="state")
     def step(self, params, state: LoopState) -> LoopState:
         """One target step: draft, check, settle."""
         draft = self.draft(params, state)
         return self.settle(params, state, draft, self.check(params, state, draft))
 
-    @functools.partial(jax.jit, static_argnames="self", donate_argnames="state")
+    @_phase(donate_argnames="state")
     def decode(self, params, state: LoopState) -> GenerateOutput:
         """Steps until every row has finished, on device, then the output."""
         state = jax.lax.while_loop(lambda s: jnp.any(s.finish == FinishReason.RUNNING),
                                    functools.partial(self.step, params), state)
         return self.output(state)
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @_phase()
     def output(self, state: LoopState) -> GenerateOutput:
         max_new = self.spec.max_new_tokens
         valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
         return GenerateOutput(tokens=jnp.where(valid, state.out[:, :max_new], -1), lengths=state.n_out,
                               finish_reason=state.finish, steps=state.steps, accepted=state.accepted)
 
-    @functools.partial(jax.jit, static_argnames="self")
+    @_phase()
     def run(self, params, prompts, prompt_lens, rng) -> GenerateOutput:
         """The whole generation: init, then decode."""
         return self.decode(params, self.init(params, prompts, prompt_lens, rng))
@@ -360,19 +380,22 @@ def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
             raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
 
 
-def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig()):
+def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(), *,
+                  mesh: jax.sharding.Mesh | None = None):
     """A pure generate function for one (target, proposer, spec) configuration.
 
     Args:
       target: the loaded target (its config and graph are used; its params are passed at call time).
       proposer: ``NoProposer()`` (plain decoding), ``DFlashProposer``, ``MTPProposer`` or ``OracleProposer``.
       spec: block size, max_new_tokens, sampling, stop ids, capacity.
+      mesh: a ``sharding.make_mesh`` mesh: concrete params and prompts are placed on it (``sharding``'s
+        tables; already placed params stay) and the loop runs sharded. None: one device.
     Returns:
       ``fn(params, prompts [B, P] int32 right-padded, prompt_lens [B], rng) -> GenerateOutput`` where
       params = (target params, proposer params) and rng is a key, a [B] batch of keys, or an int seed.
       Concrete prompts are checked (token ids in the vocabulary, lengths in 1..P) before compiling.
     """
-    loop = SpeculativeLoop.of(target, proposer, spec)
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
     vocab = target.cfg.vocab_size
 
     def generate_fn(params, prompts, prompt_lens, rng):
@@ -381,6 +404,9 @@ def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecC
             concrete, lens = np.asarray(prompts), np.asarray(prompt_lens)
             for b in range(concrete.shape[0]):
                 _check_token_ids(concrete[b, :lens[b]], b, vocab)
+            if mesh is not None:
+                params = sharding.shard_params(params, mesh, target.cfg, proposer)
+                prompts, prompt_lens = sharding.shard_rows(mesh, concrete, lens)
         return loop.run(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
 
     return generate_fn
@@ -414,7 +440,7 @@ def bucket_for(length: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(length) - 1).bit_length())
 
 
-def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids):
+def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh):
     """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
 
     ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
@@ -433,36 +459,43 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     rows = [list(p) for p in prompts]
     tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
                                   vocab_size=target.cfg.vocab_size)
-    return SpeculativeLoop.of(target, proposer, spec), (target.params, pparams), tokens, lengths
+    loop, params = SpeculativeLoop.of(target, proposer, spec, mesh), (target.params, pparams)
+    if mesh is not None:
+        params = sharding.shard_params(params, mesh, target.cfg, proposer)
+        tokens, lengths = sharding.shard_rows(mesh, tokens, lengths)
+    return loop, params, tokens, lengths
 
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-             rng=0) -> GenerateOutput:
+             rng=0, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
 
     Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
     compiled program. Without a drafter (or with block_size=1) this is plain decoding; block_size
-    defaults to the drafter's.
+    defaults to the drafter's. With a ``mesh`` the run is sharded (see ``make_generate``); across
+    processes the output's rows are spread over them (``sharding.host`` gathers them).
     """
-    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids)
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
+                                           mesh)
     return loop.run(params, tokens, lengths, rng)
 
 
 def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-           rng=0) -> Iterator[list[list[int]]]:
+           rng=0, mesh: jax.sharding.Mesh | None = None) -> Iterator[list[list[int]]]:
     """Like ``generate`` but yields, after prefill and after every target step, the new tokens per row.
 
     The host drives the same jitted step the on-device loop runs, so the tokens are identical.
     The generator's return value (``StopIteration.value``) is the final ``GenerateOutput``.
     """
-    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids)
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
+                                           mesh)
     state = loop.init(params, tokens, lengths, rng)
     shown = np.zeros(len(lengths), np.int32)
     while True:
         # Copied to the host before the next step donates the state's buffers.
-        n_out, out, finish = (np.array(x) for x in jax.device_get((state.n_out, state.out, state.finish)))
+        n_out, out, finish = sharding.host((state.n_out, state.out, state.finish))  # every process's rows
         yield [out[b, shown[b]:n_out[b]].tolist() for b in range(len(n_out))]
         shown = n_out
         if not (finish == FinishReason.RUNNING).any():

@@ -4,34 +4,40 @@ The cases run in ONE subprocess (``python tests/test_sharding.py CASES``) starte
 ``--xla_force_host_platform_device_count=8``, so the rest of the suite keeps a single device. The
 worker builds tiny dense and MoE targets (random weights; head counts chosen so some axes shard and
 some fall back to replicated), a DFlash drafter and the MTP head, and compares greedy outputs of plain,
-DFlash and MTP decoding on (data x model) meshes with the single-device outputs. It also checks the
-compiled per-step program for all-gathers of whole weights, caches or logits, and that a checkpoint
-loaded onto a mesh equals the one loaded on one device.
+DFlash and MTP decoding on (data x model x expert) meshes with the single-device outputs. It checks
+the compiled program (prefill + the decode loop) for all-gathers of whole or partly gathered weights,
+caches or logits, and that a checkpoint loaded onto a mesh equals the one loaded on one device.
+The fast set is two decode cases and one load; the full matrix is ``slow``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 VOCAB = 160  # divisible by 8, and no other dimension of the tiny models has this size
+# Two layers (one Gated DeltaNet, one full attention) and the MTP layer: the smallest target with every
+# layer kind. KV heads 2: replicated on a model axis of 4 or 8, sharded on 2.
 DENSE = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=32,
-             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
              linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
-             intermediate_size=64, mtp_num_hidden_layers=1, full_attention_interval=4,
+             intermediate_size=64, mtp_num_hidden_layers=1, full_attention_interval=2,
              rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))
 MOE = dict(DENSE, architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", intermediate_size=0,
            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
-MESHES = ((1, 8), (2, 4), (4, 2), (8, 1))  # (data, model)
+MESHES = ((1, 8, 1), (2, 4, 1), (4, 2, 1), (8, 1, 1))  # (data, model, expert)
+EXPERT_MESHES = ((1, 1, 8), (2, 2, 2))  # MoE only: experts over the expert axis (with the model axis)
 METHODS = ("plain", "dflash", "mtp")
 PROMPT_LENS = (5, 12, 1, 9, 3, 16, 7, 2)  # 8 rows: every data-parallel size divides them
-MAX_NEW = 12
-TIMEOUT = 900
+MAX_NEW = 8
+FAST_TIMEOUT, FULL_TIMEOUT = 420, 3000  # seconds; the worker's progress is shown when one is exceeded
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -56,9 +62,9 @@ def _setup(kind: str):
     flat = [(p, v.replace(v.get_value() * 30)) if p == ("lm_head", "weight") else (p, v)
             for p, v in nnx.to_flat_state(target.params)]
     target = dataclasses.replace(target, params=nnx.from_flat_state(flat))
-    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
                         head_dim=16, intermediate_size=64, vocab_size=VOCAB, block_size=4, mask_token_id=VOCAB - 1,
-                        target_layer_ids=(0, 2), num_target_layers=4, rope_theta=10000.0)
+                        target_layer_ids=(0, 1), num_target_layers=2, rope_theta=10000.0)
     drafter = init_drafter(cfg, dtype=jnp.float32, seed=1)
     rng = np.random.default_rng(0)
     tokens, lengths = pad_prompts([rng.integers(0, VOCAB, n).tolist() for n in PROMPT_LENS], 16)
@@ -77,7 +83,14 @@ def _method(method: str, target, drafter):
     return MTPProposer(target.cfg, 3), mtp_params(target), 4
 
 
+def _mesh(shape):
+    from dflash_jax import sharding
+
+    return sharding.make_mesh(**dict(zip(("data", "model", "expert"), shape, strict=True)))
+
+
 def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
+    """Greedy tokens on the mesh vs one device; with ``hlo``, the compiled program's gathers too."""
     import jax
     import numpy as np
 
@@ -85,39 +98,50 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
     from dflash_jax.speculative import SpecConfig, SpeculativeLoop
 
     target, drafter, tokens, lengths = models[kind]
-    proposer, pparams, block = _method(method, target, drafter)
-    spec = SpecConfig(block_size=block, max_new_tokens=MAX_NEW, stop_ids=())
+    proposer, pparams = _method(method, target, drafter)[:2]
+    spec = SpecConfig(block_size=_method(method, target, drafter)[2], max_new_tokens=MAX_NEW, stop_ids=())
     if (kind, method) not in refs:
         loop = SpeculativeLoop.of(target, proposer, spec)
         refs[kind, method] = np.asarray(loop.run((target.params, pparams), tokens, lengths, 0).tokens)
-    mesh = sharding.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
-    loop = SpeculativeLoop.of(target, proposer, spec)
+    mesh = _mesh(mesh_shape)
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
     params = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
     rows = sharding.shard_rows(mesh, tokens, lengths)
-    got = np.asarray(loop.run(params, *rows, 0).tokens)
+    compiled = SpeculativeLoop.run.lower(loop, params, *rows, 0).compile()  # one compile: run and inspect
+    got = np.asarray(compiled(params, *rows, 0).tokens)
     out = {"equal": bool((got == refs[kind, method]).all()), "got": got.tolist(),
            "want": refs[kind, method].tolist()}
     if hlo:
-        state = loop.init(params, *rows, 0)
-        text = SpeculativeLoop.step.lower(loop, params, state).compile().as_text()
-        out["violations"] = gathered_whole(text, params, state)
+        state = jax.eval_shape(lambda: loop.init(params, *rows, 0))
+        state_sh = sharding.state_shardings(state, len(lengths), *sharding.layouts(mesh, target.cfg, proposer))
+        text = compiled.as_text()
+        out["violations"] = gathered(text, params, state, state_sh)
         out["collectives"] = len(sharding.collectives(text))
-        del state
     jax.clear_caches()
     return out
 
 
-def gathered_whole(hlo: str, params, state) -> list[str]:
-    """All-gathers in ``hlo`` whose result is a whole sharded weight, a whole sharded cache or logits."""
+def gathered(hlo: str, params, state, state_sh) -> list[str]:
+    """All-gathers in ``hlo`` that rebuild a sharded weight or cache (whole, or along any of its sharded
+    axes) or logits (any array with a vocabulary-sized dimension)."""
     import jax
 
     from dflash_jax import sharding
 
-    whole = {tuple(x.shape) for x in jax.tree.leaves((params, state))
-             if hasattr(x, "sharding") and not x.sharding.is_fully_replicated}
+    leaves = [(x.shape, x.sharding) for x in jax.tree.leaves(params)]
+    leaves += [(x.shape, s) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh), strict=True)]
+    banned = set()
+    for shape, s in leaves:
+        if s.is_fully_replicated:
+            continue
+        local = s.shard_shape(shape)
+        split = [i for i, (a, b) in enumerate(zip(shape, local, strict=True)) if a != b]
+        for r in range(1, len(split) + 1):
+            for dims in itertools.combinations(split, r):
+                banned.add(tuple(shape[i] if i in dims else local[i] for i in range(len(shape))))
     bad = []
     for c in sharding.collectives(hlo):
-        if c["op"] == "all-gather" and any(s in whole or VOCAB in s for s in c["shapes"]):
+        if c["op"] == "all-gather" and any(s in banned or VOCAB in s for s in c["shapes"]):
             bad.append(f"{c['shapes']} {c['name']}")
     return bad
 
@@ -140,7 +164,7 @@ def _load(kind, mesh_shape, tmp: Path):
     src = init_target(TargetConfig.from_hf(raw), dtype=jnp.float32, mtp=True, seed=3)
     checkpoint.write_safetensors(path / "model.safetensors", {
         ".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(src.params)})
-    mesh = sharding.make_mesh(data=mesh_shape[0], model=mesh_shape[1])
+    mesh = _mesh(mesh_shape)
     one = load_target(path, dtype=jnp.float32, progress=False)
     many = load_target(path, dtype=jnp.float32, progress=False, mesh=mesh)
     want = sharding.param_shardings(many.params, sharding.Layout.of(many.cfg, mesh))
@@ -155,8 +179,9 @@ def _load(kind, mesh_shape, tmp: Path):
         shard = s.shard_shape(b.shape)
         if any(x.data.shape != shard for x in b.addressable_shards):
             problems.append(f"{key}: a device holds more than its shard {shard}")
-    sharded = sum(not s.is_fully_replicated for s in jax.tree.leaves(want))
-    return {"problems": problems, "sharded_leaves": sharded}
+    sharded = [".".join(map(str, p)) for (p, _), s in zip(nnx.to_flat_state(one.params), jax.tree.leaves(want),
+                                                            strict=True) if not s.is_fully_replicated]
+    return {"problems": problems, "sharded": sharded}
 
 
 def worker(cases: list[list], tmp: str) -> dict:
@@ -165,7 +190,8 @@ def worker(cases: list[list], tmp: str) -> dict:
     assert jax.device_count() == 8, jax.devices()
     models, refs, results = {}, {}, {}
     for case in cases:
-        name = "/".join(map(str, case))
+        start = time.perf_counter()
+        name = _case_name(case)
         what, kind = case[0], case[1]
         if kind not in models:
             models[kind] = _setup(kind)
@@ -173,36 +199,47 @@ def worker(cases: list[list], tmp: str) -> dict:
             results[name] = _load(kind, tuple(case[2]), Path(tmp))
         else:
             results[name] = _generate(kind, case[2], tuple(case[3]), models, refs, hlo=what == "hlo")
+        print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
     return results
 
 
 # ------------------------------------------------------------------------------------------------ tests
 
 
-def run_worker(cases, tmp_path) -> dict:
+def run_worker(cases, tmp_path, timeout: float) -> dict:
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, __file__, json.dumps(cases), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    try:
+        proc = subprocess.run([sys.executable, __file__, json.dumps(cases), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        pytest.fail(f"the 8-device worker did not finish {len(cases)} cases in {timeout:.0f} s (a loaded machine, "
+                    f"or a hang); cases done so far:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"the 8-device worker failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _case_name(case) -> str:
-    return "/".join(map(str, case))
+    return "/".join("x".join(map(str, c)) if isinstance(c, list) else str(c) for c in case)
 
 
-FAST = [["hlo", "dense", "dflash", [2, 4]], ["load", "moe", [2, 4]]]
+FAST = [["hlo", "dense", "dflash", [2, 4, 1]], ["hlo", "moe", "mtp", [1, 2, 4]], ["load", "moe", [2, 2, 2]]]
 FULL = ([["gen", kind, method, list(mesh)] for kind in ("dense", "moe") for method in METHODS for mesh in MESHES]
-        + [["hlo", kind, method, [1, 8]] for kind in ("dense", "moe") for method in ("plain", "mtp")]
-        + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8), (4, 2))])
+        + [["gen", "moe", method, list(mesh)] for method in METHODS for mesh in EXPERT_MESHES]
+        + [["hlo", kind, method, [1, 8, 1]] for kind in ("dense", "moe") for method in METHODS]
+        + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8, 1), (4, 2, 1))])
 
 
 def _check(case, result):
     if case[0] == "load":
         assert not result["problems"], result["problems"]
-        assert result["sharded_leaves"] > 0
+        # the big matrices split: embedding, LM head, attention, GDN value heads (and experts: MoE)
+        assert any("embed_tokens" in k for k in result["sharded"]), result["sharded"]
+        assert any("q_proj" in k for k in result["sharded"]), result["sharded"]
+        if case[1] == "moe":
+            assert any("experts" in k for k in result["sharded"]), result["sharded"]
         return
     assert result["equal"], f"{_case_name(case)}: sharded {result['got']} != single-device {result['want']}"
     if case[0] == "hlo":
@@ -212,7 +249,7 @@ def _check(case, result):
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory):
-    return run_worker(FAST, tmp_path_factory.mktemp("sharding"))
+    return run_worker(FAST, tmp_path_factory.mktemp("sharding"), FAST_TIMEOUT)
 
 
 @pytest.mark.parametrize("case", FAST, ids=_case_name)
@@ -222,13 +259,36 @@ def test_sharded_fast(fast, case):
 
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
-    return run_worker(FULL, tmp_path_factory.mktemp("sharding_full"))
+    return run_worker(FULL, tmp_path_factory.mktemp("sharding_full"), FULL_TIMEOUT)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", FULL, ids=_case_name)
 def test_sharded_full(full, case):
     _check(case, full[_case_name(case)])
+
+
+def test_mesh_size_must_match_devices():
+    from dflash_jax import sharding
+
+    with pytest.raises(ValueError, match="--tensor-parallel-size"):
+        sharding.make_mesh(model=3)
+
+
+def test_one_device_mesh_is_the_plain_loop():
+    """A 1x1x1 mesh runs the same program as no mesh: the tokens are identical."""
+    import jax.numpy as jnp
+
+    from dflash_jax import sharding
+    from dflash_jax.config import TargetConfig
+    from dflash_jax.speculative import generate
+    from dflash_jax.target import init_target
+
+    target = init_target(TargetConfig.from_hf(DENSE), dtype=jnp.float32)
+    prompts = [[1, 2, 3], [4, 5]]
+    want = generate(target, prompts, max_new_tokens=4, stop_ids=()).token_lists()
+    got = generate(target, prompts, max_new_tokens=4, stop_ids=(), mesh=sharding.make_mesh()).token_lists()
+    assert got == want
 
 
 if __name__ == "__main__":
