@@ -96,9 +96,16 @@ def _tile_table(group_sizes, M: int, block_rows: int):
                       jnp.where(used, end, zero)])
 
 
-def _grouped_kernel(table_ref, x_ref, w_ref, o_ref, *, blocks: GroupedBlocks, num_k: int, dot_dtype,
-                    precision):
-    # table_ref: [3, T] int32; x_ref: [M, Din]; w_ref: [E, Dout, Din]; o_ref: [M, Dout]
+def _weight_tile(w_ref, expert, j, k, bo: int, bk: int):
+    """The [bo, bk] tile of a dense expert weight [E, Dout, Din]: outputs j*bo.., inputs k*bk.."""
+    return w_ref[expert, pl.ds(j * bo, bo), pl.ds(k * bk, bk)]
+
+
+def _grouped_kernel(table_ref, x_ref, *refs, blocks: GroupedBlocks, num_k: int, dot_dtype, precision,
+                    weight_tile, out_scale: float):
+    # table_ref: [3, T] int32; x_ref: [M, Din]; refs: the weight operands (``weight_tile`` reads one
+    # [block_out, block_in] tile from them), then o_ref: [M, Dout]
+    *w_refs, o_ref = refs
     tm, bo, bk = blocks.block_rows, blocks.block_out, blocks.block_in
     t, j = pl.program_id(0), pl.program_id(1)
     expert, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
@@ -109,7 +116,7 @@ def _grouped_kernel(table_ref, x_ref, w_ref, o_ref, *, blocks: GroupedBlocks, nu
     def step(k, acc):
         # Rows of the next expert (or past M) are masked to zero; their results are never stored.
         xk = pltriton.load(x_ref.at[pl.ds(first, tm), pl.ds(k * bk, bk)], mask=rows_mask(bk), other=0)
-        wk = w_ref[expert, pl.ds(j * bo, bo), pl.ds(k * bk, bk)]                  # [bo, bk]
+        wk = weight_tile(*w_refs, expert, j, k, bo, bk)                             # [bo, bk]
         return acc + lax.dot_general(xk.astype(dot_dtype), wk.astype(dot_dtype), (((1,), (1,)), ((), ())),
                                      precision=precision, preferred_element_type=jnp.float32)
 
@@ -117,7 +124,29 @@ def _grouped_kernel(table_ref, x_ref, w_ref, o_ref, *, blocks: GroupedBlocks, nu
     # loop a static-trip scf.for, which Triton can software-pipeline (num_stages > 1).
     zeros = jnp.zeros((tm, bo), jnp.float32)
     acc = lax.cond(expert >= 0, lambda: lax.fori_loop(0, num_k, step, zeros), lambda: zeros)
+    if out_scale != 1.0:
+        acc = acc * out_scale
     pltriton.store(o_ref.at[pl.ds(first, tm), pl.ds(j * bo, bo)], acc.astype(o_ref.dtype), mask=rows_mask(bo))
+
+
+def grouped_call(x, weights: tuple, group_sizes, *, blocks: GroupedBlocks, Dout: int, dot_dtype, interpret: bool,
+                 weight_tile=_weight_tile, out_scale: float = 1.0):
+    """The grouped matmul's pallas_call over x [M, Din] with ``blocks`` already resolved: one program per
+    (row tile, block_out columns), each reading its expert's weight tiles through ``weight_tile``
+    (dense here; ``mxfp4.py`` decodes packed ones) and scaling the f32 accumulator by ``out_scale``."""
+    M, Din = x.shape
+    table = _tile_table(group_sizes, M, blocks.block_rows)                        # [3, T]
+    # The Triton default for f32 dots is TF32; the reference is exact f32.
+    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
+    kernel = functools.partial(_grouped_kernel, blocks=blocks, num_k=Din // blocks.block_in, dot_dtype=dot_dtype,
+                               precision=precision, weight_tile=weight_tile, out_scale=out_scale)
+    return pl.pallas_call(
+        kernel,
+        grid=(table.shape[1], Dout // blocks.block_out),
+        out_shape=jax.ShapeDtypeStruct((M, Dout), x.dtype),
+        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
+        interpret=interpret,
+    )(table, x, *weights)
 
 
 def _pow2(n: int) -> bool:
@@ -151,22 +180,9 @@ def _check_shapes(x, w, group_sizes):
 def grouped_matmul_pallas(x, w, group_sizes, *, blocks: GroupedBlocks = GroupedBlocks(), interpret=False):
     """The Pallas kernel; same contract as ``grouped_matmul_reference``."""
     _check_shapes(x, w, group_sizes)
-    M, Din = x.shape
-    E, Dout, _ = w.shape
-    blocks = _resolve_blocks(blocks, Dout, Din)
-    table = _tile_table(group_sizes, M, blocks.block_rows)                        # [3, T]
-    dot_dtype = jnp.promote_types(x.dtype, w.dtype)
-    # The Triton default for f32 dots is TF32; the reference is exact f32.
-    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-    kernel = functools.partial(_grouped_kernel, blocks=blocks, num_k=Din // blocks.block_in,
-                               dot_dtype=dot_dtype, precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(table.shape[1], Dout // blocks.block_out),
-        out_shape=jax.ShapeDtypeStruct((M, Dout), x.dtype),
-        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
-        interpret=interpret,
-    )(table, x, w)
+    _, Dout, Din = w.shape
+    return grouped_call(x, (w,), group_sizes, blocks=_resolve_blocks(blocks, Dout, Din), Dout=Dout,
+                        dot_dtype=jnp.promote_types(x.dtype, w.dtype), interpret=interpret)
 
 
 def grouped_matmul(x, w, group_sizes, *, impl=None):

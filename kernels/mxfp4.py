@@ -330,27 +330,12 @@ def mxfp4_grouped_matmul_reference(x, w_packed, scales, group_sizes):
     return moe.grouped_matmul_reference(x, dequantize_mxfp4(w_packed, scales, x.dtype), group_sizes)
 
 
-def _grouped_mxfp4_kernel(table_ref, x_ref, p_ref, s_ref, o_ref, *, blocks: GroupedBlocks, num_k: int,
-                          dot_dtype, precision):
-    # table_ref: [3, T] int32; x_ref: [M, Din]; p_ref: [E, Dout, Din/2] uint8; s_ref: [E, Dout, Din/32]
-    tm, bo, bk = blocks.block_rows, blocks.block_out, blocks.block_in
-    t, j = pl.program_id(0), pl.program_id(1)
-    expert, first, end = table_ref[0, t], table_ref[1, t], table_ref[2, t]
-
-    def rows_mask(width):
-        return first + lax.broadcasted_iota(jnp.int32, (tm, width), 0) < end
-
-    def step(k, acc):
-        xk = pltriton.load(x_ref.at[pl.ds(first, tm), pl.ds(k * bk, bk)], mask=rows_mask(bk), other=0)
-        packed = p_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // 2), bk // 2)]         # [bo, bk/2]
-        scales = s_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // BLOCK), bk // BLOCK)]  # [bo, bk/32]
-        w = _decode(packed, scales, bo, bk).astype(dot_dtype)
-        return acc + lax.dot_general(xk.astype(dot_dtype), w, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
-
-    zeros = jnp.zeros((tm, bo), jnp.float32)
-    acc = lax.cond(expert >= 0, lambda: lax.fori_loop(0, num_k, step, zeros), lambda: zeros) * _F16_SHIFT
-    pltriton.store(o_ref.at[pl.ds(first, tm), pl.ds(j * bo, bo)], acc.astype(o_ref.dtype), mask=rows_mask(bo))
+def _expert_tile(p_ref, s_ref, expert, j, k, bo: int, bk: int):
+    """``moe.grouped_call``'s weight tile from packed expert weights: p_ref [E, Dout, Din/2] uint8,
+    s_ref [E, Dout, Din/32] uint8 -> [bo, bk] f32 weights * 2^-14 (``_decode``)."""
+    packed = p_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // 2), bk // 2)]          # [bo, bk/2]
+    scales = s_ref[expert, pl.ds(j * bo, bo), pl.ds(k * (bk // BLOCK), bk // BLOCK)]   # [bo, bk/32]
+    return _decode(packed, scales, bo, bk)
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -361,19 +346,9 @@ def mxfp4_grouped_matmul_pallas(x, w_packed, scales, group_sizes, *,
     blocks = moe._resolve_blocks(blocks, Dout, Din)
     if blocks.block_in < BLOCK:
         raise ValueError(f"mxfp4_grouped_matmul: block_in={blocks.block_in} must be >= {BLOCK} (Din={Din})")
-    M = x.shape[0]
-    table = moe._tile_table(group_sizes, M, blocks.block_rows)                    # [3, T]
-    dot_dtype = jnp.promote_types(x.dtype, jnp.bfloat16)
-    precision = lax.Precision.HIGHEST if dot_dtype == jnp.float32 else None
-    kernel = functools.partial(_grouped_mxfp4_kernel, blocks=blocks, num_k=Din // blocks.block_in,
-                               dot_dtype=dot_dtype, precision=precision)
-    return pl.pallas_call(
-        kernel,
-        grid=(table.shape[1], Dout // blocks.block_out),
-        out_shape=jax.ShapeDtypeStruct((M, Dout), x.dtype),
-        compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
-        interpret=interpret,
-    )(table, x, w_packed, scales)
+    return moe.grouped_call(x, (w_packed, scales), group_sizes, blocks=blocks, Dout=Dout,
+                            dot_dtype=jnp.promote_types(x.dtype, jnp.bfloat16), interpret=interpret,
+                            weight_tile=_expert_tile, out_scale=_F16_SHIFT)
 
 
 def mxfp4_grouped_matmul(x, w_packed, scales, group_sizes, *, impl=None):
