@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,8 @@ import jax
 import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
+
+from dflash_jax import atomic
 
 
 class CheckpointError(ValueError):
@@ -106,7 +107,7 @@ def read_safetensors_header(file) -> tuple[dict, int]:
 
 
 def write_safetensors(file, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
-    """Writes ``tensors`` in the standard safetensors format (atomically: tmp file + rename)."""
+    """Writes ``tensors`` in the standard safetensors format (atomically: ``atomic.file_writer``)."""
     file = Path(file)
     header: dict = {"__metadata__": dict(metadata)} if metadata else {}
     arrays, offset = [], 0
@@ -121,13 +122,11 @@ def write_safetensors(file, tensors: dict[str, np.ndarray], metadata: dict[str, 
         offset += a.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # pad so the data starts 8-byte aligned, as the reference writer does
-    tmp = file.with_name(file.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic.file_writer(file) as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for a in arrays:
             f.write(a.reshape(-1).view(np.uint8).data)  # uint8 view: the buffer protocol rejects bf16
-    os.replace(tmp, file)
 
 
 def checkpoint_files(path) -> dict[str, Path]:
@@ -324,13 +323,29 @@ def _flat_shapes(tree, is_leaf=None) -> dict[str, tuple[int, ...]]:
     return {"/".join(part(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
 
 
-def save_params(path, params) -> None:
-    """Saves a pytree of arrays with orbax at ``path`` (made absolute), replacing what is there."""
+def save_orbax(path, params) -> None:
+    """Writes a pytree of arrays as an orbax checkpoint at a new ``path`` (inside an ``atomic`` writer)."""
     import orbax.checkpoint as ocp
 
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(Path(path).absolute(), params, force=True)
         ckptr.wait_until_finished()
+
+
+def save_params(path, params) -> None:
+    """Saves a pytree of arrays with orbax at ``path``, replacing what is there atomically (an interrupted
+    save keeps the previous checkpoint) with a manifest that ``restore_params`` verifies."""
+    with atomic.directory_writer(path) as tmp:
+        save_orbax(tmp / "state", params)
+        atomic.write_manifest(tmp)
+
+
+def verify(path, what: str) -> None:
+    """``atomic.verify_manifest`` as a ``CheckpointError``."""
+    try:
+        atomic.verify_manifest(path, what)
+    except atomic.IntegrityError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def restore_params(path, abstract_params):
@@ -341,6 +356,9 @@ def restore_params(path, abstract_params):
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(f"no orbax checkpoint at {path}")
+    if (path / atomic.MANIFEST).exists():  # written by save_params; older checkpoints have the tree here
+        verify(path, "checkpoint")
+        path = path / "state"
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
     with ocp.StandardCheckpointer() as ckptr:
         try:

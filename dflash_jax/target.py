@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import checkpoint, quant, sharding
+from dflash_jax import atomic, checkpoint, quant, sharding
 from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
@@ -296,8 +296,11 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         An MXFP4 checkpoint is AMD Quark's layout (``quantization_config``, see quant.py).
     """
     path = Path(path)
+    converted = (path / CONVERTED).is_dir()
+    if converted:
+        checkpoint.verify(path, "conversion")  # before anything in it is read
     cfg, qcfg = quant.read_target_config(path)  # qcfg None: a dense checkpoint
-    if (path / CONVERTED).is_dir():
+    if converted:
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
         model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
         quant.restore_layout(model, meta.get("mxfp4"))
@@ -328,13 +331,18 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
     """Writes a fast converted copy of a loaded target: its config.json (and tokenizer files) from
-    ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``."""
-    source, path = Path(source), Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
-            shutil.copy(f, path / f.name)
-    checkpoint.save_params(path / CONVERTED / "params", target.params)
-    meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
-            "mxfp4": quant.layout(target.module())}
-    (path / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
+    ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``.
+
+    The copy replaces ``path`` atomically (``atomic.directory_writer``: an interrupted write keeps the
+    previous copy, a concurrent second writer fails) and carries a manifest of its files' checksums,
+    verified on load."""
+    source = Path(source)
+    with atomic.directory_writer(path) as tmp:
+        for f in source.iterdir():
+            if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
+                shutil.copy(f, tmp / f.name)
+        checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
+        meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
+                "mxfp4": quant.layout(target.module())}
+        (tmp / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
+        atomic.write_manifest(tmp)

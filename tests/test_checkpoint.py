@@ -409,3 +409,59 @@ def test_orbax_round_trip(tmp_path):
         restore_params(tmp_path / "ckpt", wrong)
     with pytest.raises(CheckpointError, match=r"extra: stored absent"):
         restore_params(tmp_path / "ckpt", {**abstract, "extra": abstract["embed"]})
+
+
+def test_orbax_save_is_atomic_and_verified(tmp_path, monkeypatch):
+    from dflash_jax import atomic, checkpoint
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    abstract = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    save_params(tmp_path / "step_1", params)
+
+    def fail(path, tree):
+        (path.parent / "partial").write_text("x")
+        raise KeyboardInterrupt
+    monkeypatch.setattr(checkpoint, "save_orbax", fail)
+    with pytest.raises(KeyboardInterrupt):
+        save_params(tmp_path / "step_1", {"w": jnp.zeros((2, 3))})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # no temporary left behind
+    np.testing.assert_array_equal(restore_params(tmp_path / "step_1", abstract)["w"], params["w"])
+    victim = max((p for p in (tmp_path / "step_1").rglob("*") if p.is_file() and p.name != atomic.MANIFEST),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="corrupt checkpoint .* does not match its checksum"):
+        restore_params(tmp_path / "step_1", abstract)
+
+
+def test_converted_copy_is_atomic_and_checksummed(hf_dense, tmp_path, monkeypatch):
+    from dflash_jax import atomic
+    from dflash_jax import checkpoint as ck
+    from dflash_jax.target import CONVERTED, load_target, save_converted
+
+    _, src = hf_dense
+    tg = load_target(src, dtype=jnp.float32, progress=False)
+    out = tmp_path / "converted"
+    save_converted(tg, src, out)
+    leaf = jax.tree.leaves(tg.params)[0]
+
+    def fail(path, tree):
+        path.mkdir(parents=True)
+        (path / "half").write_text("x")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(ck, "save_orbax", fail)
+    with pytest.raises(OSError, match="No space left"):
+        save_converted(tg, src, out)  # over the existing copy: it must survive
+    monkeypatch.undo()
+    again = load_target(out, progress=False)
+    np.testing.assert_array_equal(jax.tree.leaves(again.params)[0], leaf)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["converted"]
+
+    victim = max((p for p in (out / CONVERTED).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x10
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=f"corrupt conversion at {out}: .* does not match its checksum"):
+        load_target(out, progress=False)
+    (out / atomic.MANIFEST).unlink()  # what a copy whose write never finished looks like
+    with pytest.raises(CheckpointError, match=f"incomplete conversion at {out}"):
+        load_target(out, progress=False)

@@ -1,0 +1,193 @@
+"""Writes of user files that appear whole or not at all: converted checkpoints, training checkpoints,
+exports, benchmark results.
+
+Everything is written into a fresh hidden sibling (``.NAME.tmp-<pid>-<random>``), flushed to disk, then
+moved over ``NAME`` in one rename (for a directory that replaces an existing one: an atomic exchange,
+then the old content is removed). An interrupted writer therefore leaves the previous ``NAME``
+untouched, plus at most a stray hidden temporary. A directory writer holds an exclusive lock
+(``.NAME.lock`` beside it) for the whole write: a second concurrent writer fails at once with
+``WriteError`` instead of mixing its files with the first one's. ``write_manifest`` /
+``verify_manifest`` give a directory a SHA-256 list of its files, checked before it is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+MANIFEST = "dflash_jax.manifest.json"
+_CHUNK = 1 << 24
+
+
+class WriteError(OSError):
+    """An output that cannot be written (unwritable location, another writer, not a directory)."""
+
+
+class IntegrityError(ValueError):
+    """A written directory that is incomplete or whose files no longer match their manifest."""
+
+
+def _temp_sibling(path: Path, kind: str) -> Path:
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(dirpath) / name)
+        _fsync(Path(dirpath))
+
+
+def check_writable(directory: str | Path, what: str = "output") -> Path:
+    """Creates ``directory`` if needed and proves a file can be written there; else ``WriteError`` naming it.
+    (Call before long work whose result goes there.)"""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _temp_sibling(directory / "probe", "tmp")
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise WriteError(f"{what} directory {directory} is not writable: {e.strerror or e}") from e
+    return directory
+
+
+def write_bytes(path: str | Path, data: bytes) -> None:
+    """Writes a file atomically (unique temporary + fsync + rename): readers see the old or the new bytes."""
+    with file_writer(path) as f:
+        f.write(data)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    write_bytes(path, text.encode())
+
+
+@contextlib.contextmanager
+def file_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """``with file_writer(p) as f: f.write(...)``: the file at ``p`` appears, whole, only if the block ends."""
+    path = Path(path)
+    tmp = _temp_sibling(path, "tmp")
+    try:
+        f = open(tmp, "wb")
+    except OSError as e:
+        raise WriteError(f"cannot write {path}: {e.strerror or e}") from e
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync(path.parent)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two existing paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(a))
+
+
+@contextlib.contextmanager
+def directory_writer(path: str | Path) -> Iterator[Path]:
+    """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` whole.
+
+    On an exception (or a kill) the previous ``path`` stays as it was. Raises ``WriteError`` when the
+    parent cannot be written, ``path`` is a file, or another process is writing ``path`` now.
+    """
+    path = Path(path).absolute()
+    if path.exists() and not path.is_dir():
+        raise WriteError(f"{path} exists and is not a directory")
+    check_writable(path.parent)
+    lock_file = path.with_name(f".{path.name}.lock")
+    with open(lock_file, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise WriteError(f"another process is writing {path} (it holds {lock_file}); "
+                             "wait for it to finish or write elsewhere") from None
+        tmp = _temp_sibling(path, "tmp")
+        tmp.mkdir()
+        try:
+            yield tmp
+            _fsync_tree(tmp)
+            if path.exists():
+                if not _exchange(tmp, path):  # no atomic exchange here: move the old copy aside first
+                    old = _temp_sibling(path, "old")
+                    os.rename(path, old)
+                    os.rename(tmp, path)
+                    tmp = old
+            else:
+                os.rename(tmp, path)
+            _fsync(path.parent)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            lock_file.unlink(missing_ok=True)  # a writer that opened it already still excludes nobody
+            # wrongly: the exchange above is atomic, so racing writers end with one whole copy
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> dict[str, Path]:
+    return {p.relative_to(root).as_posix(): p for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def write_manifest(root: str | Path) -> None:
+    """Records the size and SHA-256 of every file under ``root`` in ``root/MANIFEST`` (write it last)."""
+    root = Path(root)
+    files = {rel: {"size": p.stat().st_size, "sha256": _sha256(p)} for rel, p in _files(root).items()}
+    write_text(root / MANIFEST, json.dumps({"format": 1, "files": files}, indent=1))
+
+
+def verify_manifest(root: str | Path, what: str = "directory") -> None:
+    """Raises ``IntegrityError`` unless every file listed in ``root``'s manifest is there, unchanged."""
+    root = Path(root)
+    try:
+        listed = json.loads((root / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        raise IntegrityError(f"incomplete {what} at {root}: no {MANIFEST} (the write did not finish; "
+                             "write it again)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise IntegrityError(f"{root / MANIFEST}: unreadable manifest ({e})") from e
+    for rel, want in listed.items():
+        p = root / rel
+        if not p.is_file():
+            raise IntegrityError(f"incomplete {what} at {root}: {rel} is missing")
+        if p.stat().st_size != want["size"] or _sha256(p) != want["sha256"]:
+            raise IntegrityError(f"corrupt {what} at {root}: {rel} does not match its checksum in {MANIFEST}")

@@ -1,0 +1,155 @@
+"""Atomic writes (dflash_jax.atomic): whole or nothing under failures, kills and a second writer;
+manifests that catch a flipped byte or a missing file; unwritable outputs fail fast, never hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from dflash_jax import atomic
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _siblings(path):
+    return sorted(p.name for p in path.parent.iterdir() if p.name != path.name)
+
+
+def test_file_write_failure_keeps_the_old_file(tmp_path):
+    f = tmp_path / "bench.json"
+    atomic.write_text(f, "old")
+    with pytest.raises(RuntimeError), atomic.file_writer(f) as out:
+        out.write(b"half of the new cont")
+        raise RuntimeError("disk full")
+    assert f.read_text() == "old" and _siblings(f) == []
+    atomic.write_text(f, "new")
+    assert f.read_text() == "new" and _siblings(f) == []
+
+
+def test_directory_write_failure_keeps_the_old_directory(tmp_path):
+    d = tmp_path / "out"
+    with atomic.directory_writer(d) as tmp:
+        (tmp / "a").write_text("1")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b").write_text("2")
+    assert _tree(d) == {"a": b"1", "sub/b": b"2"}
+    with pytest.raises(RuntimeError), atomic.directory_writer(d) as tmp:
+        (tmp / "a").write_text("new")
+        raise RuntimeError("interrupted")
+    assert _tree(d) == {"a": b"1", "sub/b": b"2"} and _siblings(d) == []
+    with atomic.directory_writer(d) as tmp:  # replacing: nothing of the old copy survives
+        (tmp / "c").write_text("3")
+    assert _tree(d) == {"c": b"3"} and _siblings(d) == []
+
+
+def test_directory_writer_refuses_a_file(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(atomic.WriteError, match="exists and is not a directory"), \
+            atomic.directory_writer(tmp_path / "f"):
+        pass
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time
+    from dflash_jax import atomic
+    with atomic.directory_writer(sys.argv[1]) as tmp:
+        (tmp / "a").write_text(sys.argv[2])
+        (tmp / "b").write_text("half")
+        print("ready", flush=True)
+        sys.stdin.readline()  # until the test says go (or kills us)
+        (tmp / "b").write_text(sys.argv[2])
+""")
+
+
+def _start_writer(path, content):
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), content], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_killed_writer_leaves_the_previous_copy(tmp_path):
+    d = tmp_path / "out"
+    with atomic.directory_writer(d) as tmp:
+        (tmp / "a").write_text("old")
+    p = _start_writer(d, "new")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=30)
+    assert _tree(d) == {"a": b"old"}
+    with atomic.directory_writer(d) as tmp:  # the dead writer's lock is gone with it
+        (tmp / "a").write_text("again")
+    assert _tree(d) == {"a": b"again"}
+
+
+def test_second_concurrent_writer_fails_and_the_first_wins_whole(tmp_path):
+    d = tmp_path / "out"
+    p = _start_writer(d, "first")
+    try:
+        with pytest.raises(atomic.WriteError, match=f"another process is writing {d}"), \
+                atomic.directory_writer(d) as tmp:
+            (tmp / "a").write_text("second")
+    finally:
+        p.communicate("go\n", timeout=60)
+    assert p.returncode == 0
+    assert _tree(d) == {"a": b"first", "b": b"first"}
+
+
+def test_manifest_catches_flips_missing_files_and_an_unfinished_write(tmp_path):
+    d = tmp_path / "copy"
+    d.mkdir()
+    (d / "x.bin").write_bytes(bytes(range(256)))
+    (d / "sub").mkdir()
+    (d / "sub" / "y.json").write_text("{}")
+    with pytest.raises(atomic.IntegrityError, match=f"incomplete thing at {d}: no {atomic.MANIFEST}"):
+        atomic.verify_manifest(d, "thing")
+    atomic.write_manifest(d)
+    atomic.verify_manifest(d, "thing")
+    assert set(json.loads((d / atomic.MANIFEST).read_text())["files"]) == {"x.bin", "sub/y.json"}
+    raw = bytearray((d / "x.bin").read_bytes())
+    raw[100] ^= 1
+    (d / "x.bin").write_bytes(bytes(raw))
+    with pytest.raises(atomic.IntegrityError, match="corrupt thing .*x.bin does not match its checksum"):
+        atomic.verify_manifest(d, "thing")
+    (d / "x.bin").unlink()
+    with pytest.raises(atomic.IntegrityError, match="x.bin is missing"):
+        atomic.verify_manifest(d, "thing")
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(atomic.WriteError, match=r"bench output directory .*file/out is not writable"):
+        atomic.check_writable(tmp_path / "file" / "out", "bench output")
+    with pytest.raises(atomic.WriteError, match="not writable"), atomic.directory_writer(tmp_path / "file" / "d"):
+        pass
+    with pytest.raises(atomic.WriteError, match="cannot write"):
+        atomic.write_text(tmp_path / "file" / "x.json", "{}")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro); root ignores permission bits, so chmod would not do."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def test_orbax_save_into_a_read_only_directory_fails_fast(read_only_dir):
+    """Orbax itself raises there and then hangs the process at exit; save_params must refuse first."""
+    code = ("import sys, jax.numpy as jnp; from dflash_jax import checkpoint\n"
+            "checkpoint.save_params(sys.argv[1], {'w': jnp.ones(3)})")
+    p = subprocess.run([sys.executable, "-c", code, str(read_only_dir / "step_1")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 1
+    assert f"WriteError: output directory {read_only_dir} is not writable: Read-only file system" in p.stderr
