@@ -391,8 +391,9 @@ def mesh_from_args(args) -> Mesh | None:
         if join["process_id"] is not None and not 0 <= join["process_id"] < (join["num_processes"] or 2**31):
             raise ValueError(f"--process-id {join['process_id']} is outside 0 .. --num-processes - 1")
         jax.distributed.initialize(**join)
-    if jax.process_index() != 0:
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- open for the process's life: only process 0 prints
+    if jax.process_index() != 0:  # only process 0 prints: the others' stdout (Python's and C++'s) is discarded
+        sys.stdout.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     data, model, expert = sizes.values()
     if data * model * expert == 1 and jax.process_count() == 1:
         return None  # one device (of however many this process sees)
