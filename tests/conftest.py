@@ -1,4 +1,9 @@
-"""Tiny Qwen3.5 checkpoints written by transformers itself: the oracle every target test compares to."""
+"""Tiny Qwen3.5 checkpoints written by transformers itself: the oracle every target test compares to.
+
+Also: ``gpu``-marked tests are skipped (with the reason) unless JAX runs on a GPU. torch is imported
+only by the fixtures that need it, so torch-free tests still run where torch is missing; a test
+using those fixtures is skipped there instead.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,21 @@ import pytest
 # Tests compile many small programs; LLVM's expensive passes buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    backend = jax.default_backend()
+    if backend == "gpu":
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU; JAX runs on {backend}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="the transformers oracle models need torch")
 
 # Hv/Hk = 3 and a GQA group of 6, as in Qwen3.5-27B.
 DENSE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=1,
@@ -27,6 +45,7 @@ MOE = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_hea
 
 def _perturb(model):
     """Random init leaves every norm weight at its neutral value; perturb them so norms are tested."""
+    torch = _torch()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -36,7 +55,9 @@ def _perturb(model):
 
 
 def _build(kind: str):
-    torch.manual_seed(0)
+    _torch().manual_seed(0)
+    import transformers
+
     if kind == "dense":
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**DENSE))
     else:
@@ -65,8 +86,10 @@ def hf_moe(tmp_path_factory):
 def hf_moe_conditional(hf_moe, tmp_path_factory):
     """The MoE model rewritten in the official multimodal layout: nested text_config,
     ``model.language_model.*`` keys, fused experts, and a vision tensor the loader must ignore."""
+    import transformers
     from safetensors.torch import save_file
 
+    torch = _torch()
     model, _ = hf_moe
     path = tmp_path_factory.mktemp("moe_vl")
     config = transformers.Qwen3_5MoeConfig(text_config=model.config.to_dict())

@@ -1,5 +1,5 @@
-"""The attention Pallas kernel: interpret-mode numerics against the jnp reference, ROCm/CUDA lowering at
-real Qwen3.5 shapes (no GPU needed), and shape errors."""
+"""The attention Pallas kernel: numerics against the jnp reference (compiled on a GPU, interpreted on a
+CPU: ``pallas_mode``), ROCm/CUDA lowering at real Qwen3.5 shapes (no GPU needed), and shape errors."""
 
 import functools
 
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_mode import INTERPRET, MODE
 
 from dflash_jax.kernels.attention import (
     AttentionBlocks,
@@ -50,15 +51,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("T,N,K,H,causal,window,dtype,blocks", CASES)
-def test_interpret_matches_reference(T, N, K, H, causal, window, dtype, blocks):
+def test_kernel_matches_reference(T, N, K, H, causal, window, dtype, blocks):
     S = 200
     q, k, v = _inputs(3, T, N, K, H, S, dtype)
     q_start, kv_len = _rows(S, T)
     if blocks is None:  # the shipped config, reached through dispatch as the model calls it
-        out = attention(q, k, v, q_start, kv_len, causal=causal, window=window, impl="interpret")
+        out = attention(q, k, v, q_start, kv_len, causal=causal, window=window, impl=MODE)
     else:
         out = attention_pallas(q, k, v, q_start, kv_len, causal=causal, window=window, blocks=blocks,
-                               interpret=True)
+                               interpret=INTERPRET)
     ref = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
@@ -79,6 +80,19 @@ REAL = {
     "35b-verify": (1, 16, 16, 2, 256, 4096, True),
     "drafter": (1, 16, 32, 8, 128, 4096, False),
 }
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(REAL))
+def test_compiled_kernel_at_real_shapes_matches_reference(name):
+    """Too large for the interpreter: the compiled kernel only, each row's cache full (block just written)."""
+    B, T, N, K, H, S, causal = REAL[name]
+    q, k, v = _inputs(B, T, N, K, H, S, jnp.bfloat16)
+    kv_len = jnp.full((B,), S, jnp.int32)
+    args = (q, k, v, kv_len - T, kv_len)
+    out = jax.jit(functools.partial(attention, causal=causal, impl="pallas"))(*args)
+    ref = jax.jit(functools.partial(attention_reference, causal=causal))(*args)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("platform", ["rocm", "cuda"])
@@ -115,11 +129,11 @@ def test_bad_shapes_raise(change, match):
     args = [jnp.zeros(shapes[n], jnp.int32 if n in ("q_start", "kv_len") else jnp.float32)
             for n in ("q", "k", "v", "q_start", "kv_len")]
     with pytest.raises(ValueError, match=match):
-        attention_pallas(*args, interpret=True)
+        attention_pallas(*args, interpret=INTERPRET)
 
 
 def test_bad_blocks_raise():
     q, k, v = _inputs(1, 1, 2, 2, 64, 64, jnp.float32)
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         attention_pallas(q, k, v, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
-                         blocks=AttentionBlocks(block_k=48), interpret=True)
+                         blocks=AttentionBlocks(block_k=48), interpret=INTERPRET)

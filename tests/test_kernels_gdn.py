@@ -1,13 +1,15 @@
 """Tests of the Gated DeltaNet Pallas kernels (kernels/gdn.py) against their jnp references.
 
-Numerics run the kernels in Pallas interpret mode on small shapes; lowering for ROCm and CUDA runs
-at the real Qwen3.5 shapes of ``report_cases`` with abstract arguments (no GPU needed).
+Numerics run the kernels on small shapes, compiled on a GPU and interpreted on a CPU (``pallas_mode``);
+lowering for ROCm and CUDA runs at the real Qwen3.5 shapes of ``report_cases`` with abstract
+arguments (no GPU needed).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_mode import INTERPRET, MODE
 
 from dflash_jax.kernels import gdn
 
@@ -56,7 +58,7 @@ STEP_CASES = [
 def test_verify_matches_reference(T, Hk, Hv, Dv, block_v, dtype):
     args = make_inputs(2, T, Hk, Hv, 16, Dv, dtype, seed=T)
     blocks = gdn.RecurrentBlocks(block_v=block_v)
-    assert_close(gdn.gdn_verify_pallas(*args, blocks=blocks, interpret=True), verify_reference(*args))
+    assert_close(gdn.gdn_verify_pallas(*args, blocks=blocks, interpret=INTERPRET), verify_reference(*args))
 
 
 @pytest.mark.parametrize("T, Hk, Hv, Dv, block_v, dtype", STEP_CASES)
@@ -64,15 +66,15 @@ def test_replay_matches_reference_with_ragged_n(T, Hk, Hv, Dv, block_v, dtype):
     _, k, v, g, beta, state = make_inputs(3, T, Hk, Hv, 16, Dv, dtype, seed=T + 1)
     n = jnp.array([0, T // 2, T], jnp.int32)
     blocks = gdn.RecurrentBlocks(block_v=block_v)
-    new = gdn.gdn_replay_pallas(k, v, g, beta, state, n, blocks=blocks, interpret=True)
+    new = gdn.gdn_replay_pallas(k, v, g, beta, state, n, blocks=blocks, interpret=INTERPRET)
     assert_close(new, replay_reference(k, v, g, beta, state, n))
 
 
-def test_dispatch_interpret_runs_the_kernels():
+def test_dispatch_runs_the_kernels():
     """(gdn_replay dispatch is exercised by test_replay_commit_is_bit_exact.)"""
     q, k, v, g, beta, state = make_inputs(1, 3, 1, 2, 16, 16, F32)
-    o = gdn.gdn_verify(q, k, v, g, beta, state, impl="interpret")
-    oc, sc = gdn.gdn_chunked(q, k, v, g, beta, state, impl="interpret")
+    o = gdn.gdn_verify(q, k, v, g, beta, state, impl=MODE)
+    oc, sc = gdn.gdn_chunked(q, k, v, g, beta, state, impl=MODE)
     assert_close(o, verify_reference(q, k, v, g, beta, state))
     ref_o, ref_s = chunked_reference(q, k, v, g, beta, state)
     assert_close(oc, ref_o)
@@ -83,7 +85,7 @@ def test_replay_commit_is_bit_exact():
     """n = 0 keeps the state; replaying n of 16 tokens equals replaying just those n tokens."""
     _, k, v, g, beta, state = make_inputs(3, 16, 2, 4, 16, 32, BF16, seed=7)
     n = jnp.array([0, 7, 16], jnp.int32)
-    replay = lambda *a: np.asarray(gdn.gdn_replay(*a, impl="interpret"))
+    replay = lambda *a: np.asarray(gdn.gdn_replay(*a, impl=MODE))
     full = replay(k, v, g, beta, state, n)
     np.testing.assert_array_equal(full[0], np.asarray(state[0]))
     for b in (1, 2):
@@ -101,7 +103,7 @@ CHUNKED_CASES = [(1, 1, 1, F32), (17, 1, 2, BF16), (64, 2, 6, F32), (100, 1, 3, 
 def test_chunked_matches_reference(T, Hk, Hv, dtype):
     args = make_inputs(2, T, Hk, Hv, 32, 32, dtype, seed=T)
     blocks = gdn.ChunkedBlocks(block_v=16, block_k=16)  # two state tiles, each in two Dk slices
-    o, state = gdn.gdn_chunked_pallas(*args, blocks=blocks, interpret=True)
+    o, state = gdn.gdn_chunked_pallas(*args, blocks=blocks, interpret=INTERPRET)
     ref_o, ref_state = chunked_reference(*args)
     assert_close(o, ref_o)
     assert_close(state, ref_state)

@@ -1,4 +1,5 @@
-"""The whole target and drafter with the Pallas kernels (interpret mode) equal the jnp reference path."""
+"""The whole target and drafter with the Pallas kernels (compiled on a GPU, interpreted on a CPU:
+``pallas_mode``) equal the jnp reference path."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from pallas_mode import MODE
 
 from dflash_jax import drafter as dr
 from dflash_jax.target import Target, load_target
@@ -29,11 +31,11 @@ def _target_steps(tg, tokens):
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 def test_target_with_kernels_equals_reference(kind, request):
     _, path = request.getfixturevalue(f"hf_{kind}")
-    tg = load_target(path, dtype=jnp.float32, progress=False)
+    tg = load_target(path, dtype=jnp.float32, kernels="reference", progress=False)
     tokens = np.random.default_rng(0).integers(0, tg.cfg.vocab_size, (2, 36)).astype(np.int32)
     assert tg.kernels == "reference"
     ref = _target_steps(tg, tokens)
-    got = _target_steps(tg.with_kernels("interpret"), tokens)
+    got = _target_steps(tg.with_kernels(MODE), tokens)
     _close(got, ref)
 
 
@@ -43,7 +45,7 @@ def test_drafter_with_kernels_equals_reference(layer_types):
                            head_dim=16, intermediate_size=48, vocab_size=96, block_size=8, mask_token_id=95,
                            target_layer_ids=(0, 2), num_target_layers=4, layer_types=layer_types,
                            sliding_window=6)
-    drafter = dr.init_drafter(cfg, seed=1)
+    drafter = dr.init_drafter(cfg, seed=1, kernels="reference")
     rng = np.random.default_rng(2)
     taps = jnp.asarray(rng.normal(size=(2, 12, 64)), jnp.float32)
     block = jnp.asarray(rng.normal(size=(2, 8, 32)), jnp.float32)
@@ -55,7 +57,7 @@ def test_drafter_with_kernels_equals_reference(layer_types):
         return dr.draft_block(model, cache, block)
 
     ref = run(drafter)
-    got = run(drafter.with_kernels("interpret"))
+    got = run(drafter.with_kernels(MODE))
     _close(got, ref)
 
 

@@ -1,5 +1,5 @@
-"""Grouped (per-expert) matmul: the Pallas kernel in interpret mode against the ragged_dot reference,
-lowering at Qwen3.5-35B-A3B shapes for ROCm and CUDA, and shape errors."""
+"""Grouped (per-expert) matmul: the Pallas kernel (compiled on a GPU, interpreted on a CPU: ``pallas_mode``)
+against the ragged_dot reference, lowering at Qwen3.5-35B-A3B shapes for ROCm and CUDA, and shape errors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from pallas_mode import INTERPRET, MODE
 
 from dflash_jax.kernels import moe
 
@@ -31,12 +32,12 @@ _GROUPS = [3, 0, 17, 1, 0, 16, 5, 2]
     (jnp.bfloat16, _GROUPS, 7, None),
     (jnp.float32, [0, 2, 0, 0, 3, 0, 0, 0], 4, None),
 ])
-def test_interpret_matches_reference(dtype, group_sizes, trailing, blocks):
+def test_kernel_matches_reference(dtype, group_sizes, trailing, blocks):
     x, w, gs = _case(group_sizes, trailing, dtype)
     if blocks is None:  # through the dispatcher, default blocks
-        got = moe.grouped_matmul(x, w, gs, impl="interpret")
+        got = moe.grouped_matmul(x, w, gs, impl=MODE)
     else:
-        got = moe.grouped_matmul_pallas(x, w, gs, blocks=blocks, interpret=True)
+        got = moe.grouped_matmul_pallas(x, w, gs, blocks=blocks, interpret=INTERPRET)
     want = moe.grouped_matmul_reference(x, w, gs)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[1])
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -72,4 +73,4 @@ def test_lowers_at_35b_a3b_shapes(platform):
 def test_bad_shapes_raise(x_shape, w_shape, gs_shape, gs_dtype, match):
     args = (jnp.zeros(x_shape, jnp.float32), jnp.zeros(w_shape, jnp.float32), jnp.zeros(gs_shape, gs_dtype))
     with pytest.raises(ValueError, match=match):
-        moe.grouped_matmul(*args, impl="interpret")
+        moe.grouped_matmul(*args, impl=MODE)
