@@ -17,6 +17,7 @@ from dflash_jax import checkpoint, quant
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
 from dflash_jax.kernels import mxfp4
+from dflash_jax.layers import with_kernels
 from dflash_jax.mtp import MTPProposer, mtp_params
 from dflash_jax.speculative import generate
 from dflash_jax.target import Qwen35ForCausalLM, init_target, load_target, save_converted
@@ -454,3 +455,16 @@ def test_cli_quantize_then_generate(tmp_path, capsys):
     assert any(".mlp." in n for n in quant.layout(q.module())["quantized"])
     prompt = encode(load_tokenizer(tok), "def f(x):", "off")
     assert generate(q, [prompt], block_size=1, max_new_tokens=6, stop_ids=()).token_lists()[0] == got
+
+
+@pytest.mark.slow
+def test_quantized_layers_run_the_pallas_kernels(pair):
+    """The model path of the Pallas kernels (Pallas interpreter on a CPU) equals the dequantizing
+    reference: a quantized MLP (MoE: routed MXFP4 experts + shared expert) and a GDN projection."""
+    kind, _, q = pair
+    layer = q.module().model.layers[1]
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 3, 32)), jnp.float32)
+    for module in (layer.mlp, layer.linear_attn.in_proj_qkv):
+        ref = with_kernels(module, "reference")(x)
+        np.testing.assert_allclose(np.asarray(with_kernels(module, "interpret")(x)), np.asarray(ref),
+                                   rtol=1e-5, atol=1e-6)
