@@ -193,41 +193,37 @@ def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class GenerationConfig:
-    """What this library takes from ``generation_config.json``: stop ids, and the sampling defaults
-    (temperature 0 when ``do_sample`` is false) a front end may offer."""
+    """What this library takes from ``generation_config.json``: the stop ids. Sampling is chosen per call
+    (``SamplingConfig``, the CLI's ``--temperature``/``--top-k``/``--top-p``), greedy by default."""
 
     eos_token_ids: tuple[int, ...] = ()
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
 
     # Keys whose values change nothing here (HF generate() runtime switches and token bookkeeping).
     IGNORED = frozenset({"_from_model_config", "transformers_version", "bos_token_id", "pad_token_id",
                          "output_attentions", "output_hidden_states", "use_cache", "return_dict_in_generate",
                          "max_length", "max_new_tokens"})
+    # HF's values at which a knob does nothing; the sampling knobs also do nothing while do_sample is false.
+    NEUTRAL = {"do_sample": False, "repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
+               "frequency_penalty": 0.0, "num_beams": 1, "no_repeat_ngram_size": 0, "typical_p": 1.0}
+    SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p"})
 
 
 def read_generation_config(path: str | Path) -> GenerationConfig:
-    """``generation_config.json`` of a checkpoint directory (absent: defaults). Sampling knobs this library
-    does not implement (repetition_penalty, min_p, ...) at a non-neutral value draw a ConfigWarning."""
+    """``generation_config.json`` of a checkpoint directory (absent: defaults). Any other field at a value
+    that would change HF's output (sampling defaults, penalties, beams) draws one ConfigWarning naming it."""
     file = Path(path) / "generation_config.json"
     if not file.is_file():
         return GenerationConfig()
-    f = Fields(read_json_object(file, "generation_config.json"))
+    raw = read_json_object(file, "generation_config.json")
     with parsing(str(file)):
-        out = GenerationConfig(
-            eos_token_ids=_eos_ids(f.get("eos_token_id"), ""), do_sample=bool(f.get("do_sample", False)),
-            temperature=f.number("temperature", 1.0, positive=False), top_k=f.integer("top_k", 0, low=0),
-            top_p=f.number("top_p", 1.0))
-        if out.temperature < 0 or out.top_p > 1:
-            raise ConfigError(f"temperature={out.temperature} must be >= 0 and top_p={out.top_p} in (0, 1]")
-    neutral = {"repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "num_beams": 1, "no_repeat_ngram_size": 0, "typical_p": 1.0}
-    odd = sorted(k for k in f.raw if k not in f.read and k not in GenerationConfig.IGNORED
-                 and f.raw[k] is not None and f.raw[k] != neutral.get(k, object()))
+        out = GenerationConfig(eos_token_ids=_eos_ids(raw.get("eos_token_id"), ""))
+    sampling = bool(raw.get("do_sample"))
+    odd = sorted(k for k, v in raw.items() if k != "eos_token_id" and k not in GenerationConfig.IGNORED
+                 and v is not None and v != GenerationConfig.NEUTRAL.get(k, object())
+                 and (sampling or k not in GenerationConfig.SAMPLING))
     if odd:
-        warnings.warn(f"{file}: fields {odd} are not applied by this library", ConfigWarning, stacklevel=2)
+        warnings.warn(f"{file}: fields {odd} are not applied by this library (decoding is greedy unless a "
+                      "SamplingConfig or --temperature/--top-k/--top-p is given)", ConfigWarning, stacklevel=2)
     return out
 
 
@@ -302,7 +298,7 @@ class TargetConfig:
         else:
             need(self.intermediate_size > 0, "dense config without intermediate_size")
 
-    # Derived sizes (shape letters as in DESIGN.md).
+    # Derived sizes.
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0

@@ -39,7 +39,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
-    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers). See reference/dflash.md §1, §5."""
+    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers): field names and layouts as its config.json."""
 
     hidden_size: int
     num_hidden_layers: int

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -43,8 +44,14 @@ def model_dirs(model: str | None, draft_model: str | None) -> tuple[Path, Path |
     return Path(model), Path(draft_model) if draft_model else None
 
 
+def _no_torch_banner(record: logging.LogRecord) -> bool:
+    """transformers announces at import that it found no PyTorch; tokenizers never need it, so say nothing."""
+    return "PyTorch was not found" not in record.getMessage()
+
+
 def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
     """The Hugging Face tokenizer in folder ``path``; a clear error naming ``flag`` and the folder otherwise."""
+    logging.getLogger("transformers").addFilter(_no_torch_banner)  # before the import that prints it
     from transformers import AutoTokenizer
 
     path = Path(path)

@@ -1,0 +1,68 @@
+"""What a new user meets before any model runs: the license, the install and test commands, the docs'
+references, and a quiet start without PyTorch."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DOCS = ["README.md", "BUILD.md", "kernels/README.md", "notebooks/README.md", "dflash_jax/assets/MODEL_CARD.md"]
+
+
+def test_license_file_is_the_license_pyproject_names():
+    assert PYPROJECT["project"]["license"] == {"text": "Apache-2.0"}
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 150  # the full text
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"^pip install -e (\S+) && python -m pytest -q$", readme, re.M)
+    assert command, "README's second command is not 'pip install -e ... && python -m pytest -q'"
+    ci = [line for line in (ROOT / ".ci/run").read_text().splitlines() if line and not line.startswith("#")]
+    assert f"python -m pip install -q -e {command.group(1)}" in ci and ci[-1] == "python -m pytest -q"
+
+
+def test_test_extras_resolve_together_on_pypi():
+    """PyPI's torch 2.13.0 pins triton==3.7.1 (Linux x86-64): the triton extra must admit that version,
+    or ``pip install -e ".[test,triton]"`` has no solution on a machine with only the public index."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    [torch] = [Requirement(r) for r in extras["test"] if r.startswith("torch")]
+    [triton] = [Requirement(r) for r in extras["triton"]]
+    assert "2.13.0" in torch.specifier
+    assert "3.7.1" in triton.specifier and "3.8.0" in triton.specifier  # 3.8.0: the gfx950 report's best match
+
+
+def test_docs_refer_only_to_files_in_the_repository():
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for ref in re.findall(r"[\w./-]+\.md\b", text):
+            name = ref.split("/")[-1]
+            assert any(p.name == name for p in ROOT.rglob(name) if ".git" not in p.parts), f"{doc}: {ref}"
+        assert not re.search(r"\b(shared|reference)/|\.\./", text), doc
+
+
+def _without_torch(code: str) -> subprocess.CompletedProcess:
+    """Runs ``code`` in a fresh interpreter in which ``import torch`` fails, as on a machine without it."""
+    hide = "import sys; sys.modules['torch'] = None\n"
+    return subprocess.run([sys.executable, "-c", hide + code], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+
+
+def test_no_pytorch_banner_at_run_time():
+    loaded = _without_torch("from dflash_jax import runtime\n"
+                            "tok = runtime.load_tokenizer(runtime.ASSETS / 'target')\n"
+                            "print(tok('def f():')['input_ids'])")
+    assert loaded.returncode == 0, loaded.stderr
+    assert "PyTorch was not found" not in loaded.stdout + loaded.stderr
+    help_ = _without_torch("import sys; sys.argv = ['dflash-jax', '--help']\n"
+                           "from dflash_jax.cli import main; main()")
+    assert "usage" in help_.stdout and "PyTorch" not in help_.stdout + help_.stderr
