@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import roofline, runtime
+from dflash_jax import roofline, runtime, sharding
 from dflash_jax.proposers import OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
@@ -258,14 +258,16 @@ def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batc
 
 def compare(target, proposer, pparams, method: runtime.Method, prompts: list[list[int]], *, max_new_tokens: int,
             sampling: SamplingConfig, stop_ids: tuple[int, ...], seed: int, repeats: int, drafter_cfg,
-            dtype: str) -> dict:
-    """``method`` against plain decoding on the prompts as one batch, as ``dflash-jax generate`` reports it."""
+            dtype: str, mesh=None) -> dict:
+    """``method`` against plain decoding on the prompts as one batch, as ``dflash-jax generate`` reports it
+    (on ``mesh`` when one is given: ``sharding.make_mesh``)."""
     tokens, lengths = pad_prompts(prompts, bucket_for(max(len(p) for p in prompts)),
                                   vocab_size=target.cfg.vocab_size)
     loops, params = {}, {}
     for m, prop, pp in ((method, proposer, pparams), (runtime.AR, *runtime.proposer_for(runtime.AR, target, None))):
         spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
-        loops[m.name], params[m.name] = SpeculativeLoop.of(target, prop, spec), (target.params, pp)
+        loops[m.name] = SpeculativeLoop.of(target, prop, spec, mesh)
+        params[m.name] = sharding.shard_params((target.params, pp), mesh, target.cfg, prop)
     names = list(dict.fromkeys([method.name, "ar"]))  # --block-size 1: ar against itself, two timed runs
     runs = {f"{n}#{i}": functools.partial(_run_one, loops[n], params[n], [(tokens, lengths)], seed)
             for i, n in enumerate(names if len(names) == 2 else names * 2)}
@@ -348,7 +350,7 @@ def _machine() -> dict:
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
-def bench_workload(workload, prompts, methods, target, drafter, args, progress) -> list[dict]:
+def bench_workload(workload, prompts, methods, target, drafter, args, progress, mesh=None) -> list[dict]:
     """Every method at every concurrency on one workload's token prompts; one result dict per (method, conc)."""
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stop_ids = () if args.ignore_eos else None
@@ -366,7 +368,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress) 
                 proposer = SimulatedProposer(proposer, OracleProposer(target.cfg.vocab_size))
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids)
-            loops[m], params[m] = SpeculativeLoop.of(target, proposer, spec), (target.params, pparams)
+            loops[m] = SpeculativeLoop.of(target, proposer, spec, mesh)
+            params[m] = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
             ar_tokens = [loops[runtime.AR].run(params[runtime.AR], t, n, args.seed).tokens for t, n in padded]
             for m in methods[1:]:
@@ -495,6 +498,7 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
 def cmd_bench(args) -> int:
     from tqdm.auto import tqdm
 
+    mesh = sharding.mesh_from_args(args)  # first: joins the other processes; only process 0 prints and writes
     methods = parse_methods(args.methods)
     workloads = [w.strip() for w in args.workload.split(",")]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -516,7 +520,7 @@ def cmd_bench(args) -> int:
     turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
     model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
     target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
-                                          progress=not args.quiet)
+                                          progress=not args.quiet, mesh=mesh)
     notes = []
     if any(m.kind == "mtp" for m in methods) and not runtime.has_mtp(target):
         notes.append(f"skipped {', '.join(m.name for m in methods if m.kind == 'mtp')}: {model_dir} has no MTP "
@@ -533,7 +537,7 @@ def cmd_bench(args) -> int:
     results = []
     with tqdm(total=units, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as progress:
         for w in workloads:
-            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress)
+            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh)
     print(format_table(results))
     greedy = [r for r in results if r["matches_ar"] is not None]
     if greedy:
@@ -551,6 +555,8 @@ def cmd_bench(args) -> int:
                       chat_template=args.chat_template, enable_thinking=args.enable_thinking, encoding=how,
                       simulate_acceptance=args.simulate_acceptance, profile_batches=args.profile_batches),
         timing=TIMING, notes=notes, results=results, plots=[])
+    if not sharding.is_writer():
+        return 0
     (out / "bench.json").write_text(json.dumps(report, indent=1))  # the numbers are safe before any plotting
     print(f"wrote {out / 'bench.json'}")
     if not args.no_plots:
@@ -610,4 +616,5 @@ def add_parser(sub) -> None:
     b.add_argument("--out", default="bench_out", help="directory for bench.json and the plots")
     b.add_argument("--no-plots", action="store_true")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
+    sharding.add_arguments(b)
     b.set_defaults(func=cmd_bench)

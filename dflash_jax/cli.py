@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax import bench, quant, runtime
+from dflash_jax import bench, quant, runtime, sharding
 from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError
 from dflash_jax.sampling import SamplingConfig
@@ -221,10 +221,11 @@ def _complete(args, req: Request, tokenizer, it) -> dict:
 
 
 def cmd_generate(args) -> int:
+    mesh = sharding.mesh_from_args(args)  # first: joins the other processes; only process 0 prints from here on
     req = check_request(args)
     dtype = args.dtype or runtime.default_dtype()
     target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
-                                          progress=not args.quiet)
+                                          progress=not args.quiet, mesh=mesh)
     if req.method.kind == "mtp" and not runtime.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
     tokenizer = runtime.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
@@ -234,7 +235,8 @@ def cmd_generate(args) -> int:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
     proposer, pparams = runtime.proposer_for(req.method, target, drafter)
     kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
-              max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed)
+              max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
+              mesh=mesh)
     note = (lambda m: None) if args.quiet else (lambda m: print(f"[{m}]", file=sys.stderr, flush=True))
     note(f"compiling {req.method.name} (prefill and one step) on {jax.default_backend()}…")
     records = []
@@ -252,7 +254,7 @@ def cmd_generate(args) -> int:
         note(f"timing {req.method.name} against plain decoding: compiling the on-device loops…")
         timings = bench.compare(target, proposer, pparams, req.method, prompts, max_new_tokens=args.max_new_tokens,
                                 sampling=req.sampling, stop_ids=req.stop_ids, seed=args.seed, repeats=args.repeats,
-                                drafter_cfg=None if drafter is None else drafter.cfg, dtype=dtype)
+                                drafter_cfg=None if drafter is None else drafter.cfg, dtype=dtype, mesh=mesh)
         if not args.json:
             print(bench.format_comparison(timings))
     if args.json:
@@ -355,6 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON document (completions with tokens, text, "
                    "tau, finish reason; timings) instead of streaming text")
     g.add_argument("--quiet", action="store_true", help="no loading progress bars or notes")
+    sharding.add_arguments(g)
     g.set_defaults(func=cmd_generate)
     bench.add_parser(sub)
     quant.add_parser(sub)

@@ -125,16 +125,18 @@ def parse_method(item: str, flag: str = "--methods") -> Method:
     return Method(kind, n + 1 if kind == "mtp" else n)
 
 
-def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True):
+def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None):
     """(target, drafter or None) for ``methods``: the MTP head only when an MTP method is among them.
 
     The drafter is loaded only when a DFlash method is among them; one without ``draft_dir`` is an error.
+    With a ``mesh`` (``sharding.make_mesh``) the target's tensors load straight onto their shards; the
+    drafter (small) loads on one device and the loop moves it onto the mesh.
     """
     from dflash_jax.drafter import load_drafter
     from dflash_jax.target import load_target
 
     kinds = {m.kind for m in methods}
-    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False)
+    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False, mesh=mesh)
     drafter = None
     if "dflash" in kinds:
         if draft_dir is None:

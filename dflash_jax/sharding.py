@@ -252,10 +252,12 @@ def layouts(mesh: Mesh, cfg: TargetConfig, proposer=None) -> tuple[Layout, Layou
     return Layout.of(cfg, mesh), Layout.of(draft_cfg, mesh) if is_drafter(draft_cfg) else None
 
 
-def shard_params(params, mesh: Mesh, cfg: TargetConfig, proposer=None):
+def shard_params(params, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
     """Places loop params ``(target params, proposer params)`` on ``mesh`` by ``PARAMS`` (already placed
-    leaves move only if their sharding differs). Proposer params follow the drafter's heads when the
-    proposer has a DrafterConfig, else the target's (the MTP head is a target layer)."""
+    leaves move only if their sharding differs; no mesh: unchanged). Proposer params follow the drafter's
+    heads when the proposer has a DrafterConfig, else the target's (the MTP head is a target layer)."""
+    if mesh is None:
+        return params
     target, draft = layouts(mesh, cfg, proposer)
     tparams, pparams = params
     return (jax.device_put(tparams, param_shardings(tparams, target)),
