@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import roofline, runtime, sharding
+from dflash_jax import atomic, roofline, runtime, sharding
 from dflash_jax.proposers import OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
@@ -557,7 +557,7 @@ def cmd_bench(args) -> int:
         timing=TIMING, notes=notes, results=results, plots=[])
     if not sharding.is_writer():
         return 0
-    (out / "bench.json").write_text(json.dumps(report, indent=1))  # the numbers are safe before any plotting
+    atomic.write_text(out / "bench.json", json.dumps(report, indent=1))  # the numbers are safe before any plotting
     print(f"wrote {out / 'bench.json'}")
     if not args.no_plots:
         try:
@@ -566,7 +566,7 @@ def cmd_bench(args) -> int:
             print("dflash-jax bench: no plots (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
         else:
             report["plots"] = plot(results, out)
-            (out / "bench.json").write_text(json.dumps(report, indent=1))
+            atomic.write_text(out / "bench.json", json.dumps(report, indent=1))
             print("wrote " + ", ".join(str(out / p) for p in report["plots"]))
     return 0
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax import checkpoint, kernels
+from dflash_jax import atomic, checkpoint, kernels
 from dflash_jax.config import DEFAULT_THETA, ConfigError, Fields, TargetConfig, parsing, read_config_json, rope_scaling
 from dflash_jax.kernels import dispatch
 from dflash_jax.layers import MLP, Linear, RMSNorm, with_kernels, write_rows
@@ -485,6 +485,6 @@ def save_drafter(path: str | Path, drafter: Drafter) -> None:
     """Writes ``path``/config.json (z-lab format) and ``path``/model.safetensors; ``load_drafter`` reads them."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(drafter.cfg.to_hf(), indent=2))
+    atomic.write_text(path / "config.json", json.dumps(drafter.cfg.to_hf(), indent=2))  # each file whole
     tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.params)}
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})

@@ -153,3 +153,19 @@ def test_orbax_save_into_a_read_only_directory_fails_fast(read_only_dir):
                        text=True, timeout=120)
     assert p.returncode == 1
     assert f"WriteError: output directory {read_only_dir} is not writable: Read-only file system" in p.stderr
+
+
+def test_exports_write_each_file_whole(tmp_path):
+    """The HF-format writers (tokenizer, target, drafter exports) go through atomic files; the tokenizer's
+    bytes are the ones ``Tokenizer.save`` writes."""
+    from tokenizers import Tokenizer
+
+    from dflash_jax.runtime import ASSETS
+    from dflash_jax.train.tokenizer import save_hf
+
+    tok = Tokenizer.from_file(str(ASSETS / "target" / "tokenizer.json"))
+    tok.save(str(tmp_path / "reference.json"))
+    save_hf(tok, tmp_path / "tok")
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (tmp_path / "reference.json").read_bytes()
+    assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
+        "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]

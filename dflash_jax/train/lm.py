@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dflash_jax import checkpoint
+from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
 from dflash_jax.target import Target, forward, init_target
 from dflash_jax.train import loop
@@ -64,7 +64,7 @@ def save_target(path: str | Path, target: Target) -> None:
     """Writes config.json and model.safetensors (f32, checkpoint keys = module paths; MTP head if present)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(hf_config(target.cfg), indent=2))
+    atomic.write_text(path / "config.json", json.dumps(hf_config(target.cfg), indent=2))  # each file whole
     tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(target.params)}
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
 

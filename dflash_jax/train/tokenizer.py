@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from dflash_jax import atomic
 from dflash_jax.train import corpus
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"
@@ -33,15 +34,15 @@ def save_hf(tok: Tokenizer, path: str | Path) -> None:
     """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (PreTrainedTokenizerFast)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
+    atomic.write_text(path / "tokenizer.json", tok.to_str(pretty=True))
     added = {str(tok.token_to_id(t)): {"content": t, "lstrip": False, "rstrip": False, "normalized": False,
                                        "single_word": False, "special": True} for t in SPECIAL_TOKENS}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "pad_token": EOS,
               "additional_special_tokens": [MASK], "added_tokens_decoder": added,
               "model_max_length": 262144, "clean_up_tokenization_spaces": False}
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    atomic.write_text(path / "tokenizer_config.json", json.dumps(config, indent=2))
     special = {"eos_token": EOS, "pad_token": EOS, "additional_special_tokens": [MASK]}
-    (path / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+    atomic.write_text(path / "special_tokens_map.json", json.dumps(special, indent=2))
 
 
 def load(path: str | Path) -> Tokenizer:
