@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from exact_stats import chi2_pvalue
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_jax import sampling
 from dflash_jax.sampling import SamplingConfig, accept, probs
@@ -25,6 +27,29 @@ def test_probs_transforms_match_formulas():
     keep = (np.cumsum(p) - p) < 0.8
     np.testing.assert_allclose(probs(logits, SamplingConfig(temperature=t, top_p=0.8)),
                                np.where(keep, p, 0) / np.where(keep, p, 0).sum(), rtol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(logits=st.lists(st.floats(-8, 8, width=32), min_size=V, max_size=V, unique=True),
+       temperature=st.floats(0.25, 4.0), top_k=st.integers(0, V), top_p=st.floats(0.05, 1.0))
+def test_filters_keep_the_smallest_top_set_in_proportion(logits, temperature, top_k, top_p):
+    """For any logits: the support is the highest-logit tokens, at most top_k of them, the fewest whose mass
+    (after temperature and top-k) reaches top_p; inside it the probabilities keep exp(logit / T)'s ratios."""
+    x = np.asarray(logits, np.float64) / temperature
+    got = np.asarray(probs(jnp.asarray(logits, jnp.float32), SamplingConfig(temperature, top_k, top_p)), np.float64)
+    assert np.isfinite(got).all() and (got >= 0).all() and abs(got.sum() - 1) < 1e-5
+    order = np.argsort(-x)
+    kept = np.flatnonzero(got[order] > 0)
+    n = len(kept)
+    assert n >= 1 and (kept == np.arange(n)).all()  # a prefix of the tokens by logit
+    k = top_k or V
+    assert n <= k
+    after_k = np.exp(x[order][:k] - x[order][0])
+    after_k /= after_k.sum()  # the distribution top-p sees
+    mass = np.cumsum(after_k)
+    assert mass[n - 1] >= top_p - 1e-5 and (n == 1 or mass[n - 2] < top_p + 1e-5)  # reaches top_p, minimal
+    ref = after_k[:n] / after_k[:n].sum()
+    np.testing.assert_allclose(got[order][:n], ref, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])

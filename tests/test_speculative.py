@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from exact_stats import chi2_pvalue
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dflash_jax import sampling
 from dflash_jax import speculative as gen
@@ -20,7 +22,15 @@ from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
 from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig, probs
-from dflash_jax.speculative import FinishReason, SpecConfig, generate, make_generate, pad_prompts, stream
+from dflash_jax.speculative import (
+    FinishReason,
+    SpecConfig,
+    bucket_for,
+    generate,
+    make_generate,
+    pad_prompts,
+    stream,
+)
 from dflash_jax.target import init_target, load_target
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # JAX's event for one XLA compilation
@@ -44,6 +54,21 @@ def _run(target, proposer, pparams, prompts, block, max_new=MAX_NEW, sampling=Sa
     spec = SpecConfig(block_size=block, max_new_tokens=max_new, sampling=sampling, stop_ids=())
     # Not wrapped in jax.jit: make_generate's loop is jitted and cached per configuration, shared by tests.
     return make_generate(target, proposer, spec)((target.params, pparams), tokens, lengths, rng)
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 95), min_size=1, max_size=40), min_size=1, max_size=6),
+       minimum=st.sampled_from([1, 8, 16]))
+def test_padding_keeps_every_prompt_in_its_power_of_two_bucket(prompts, minimum):
+    longest = max(map(len, prompts))
+    bucket = bucket_for(longest, minimum)
+    assert bucket >= max(longest, minimum) and bucket & (bucket - 1) == 0  # a power of two that fits
+    assert bucket < 2 * max(longest, minimum)  # the smallest one
+    tokens, lengths = pad_prompts(prompts, bucket, vocab_size=96)
+    assert tokens.shape == (len(prompts), bucket) and tokens.dtype == np.int32
+    assert lengths.tolist() == [len(p) for p in prompts]
+    for row, p in zip(tokens, prompts, strict=True):
+        assert row[:len(p)].tolist() == p and not row[len(p):].any()
 
 
 def _drafter_for(target, block=8, seed=0):
