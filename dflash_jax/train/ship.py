@@ -21,6 +21,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import atomic
 from dflash_jax.train import corpus, loop
 from dflash_jax.train import tokenizer as tk
 
@@ -199,8 +200,8 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         for name in ("target", "drafter"):
             if not (export / name / "model.safetensors").exists():
                 raise FileNotFoundError(f"--install: {export / name} is missing; run the export stage first")
-            shutil.rmtree(install / name, ignore_errors=True)
-            shutil.copytree(export / name, install / name)
+            with atomic.directory_writer(install / name) as tmp:  # interrupted: the old assets stay
+                shutil.copytree(export / name, tmp, dirs_exist_ok=True)
         shutil.copy(log_file, install / "ship_log.json")
         print(f"[ship] installed {export} into {install}", flush=True)
     return log
