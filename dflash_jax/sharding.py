@@ -60,18 +60,21 @@ RULES: dict[str, str | tuple[str, ...]] = {
 # First full match wins; unmatched parameters are replicated: norms, the MoE router, the drafter's fc
 # and the MTP fc, and the GDN in_proj_qkv / conv1d, whose channels concatenate q | k | v (a shard
 # of those rows would not hold whole heads).
+# MXFP4 projections (quant.py) keep the rule of their weight for both tensors: the packed codes
+# ``weight`` [out, in/2] and ``weight_scale`` [out, in/32] split along the same logical axis (a
+# column shard of whole heads is a whole number of 32-input scale blocks at every real shape).
 PARAMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"(.*\.)?embed_tokens\.weight", ("vocab", None)),
     (r"lm_head\.weight", ("vocab", None)),
-    (r".*self_attn\.q_proj\.weight", ("heads", None)),
-    (r".*self_attn\.[kv]_proj\.weight", ("kv_heads", None)),
-    (r".*self_attn\.o_proj\.weight", (None, "heads")),
-    (r".*linear_attn\.in_proj_[zab]\.weight", ("v_heads", None)),
+    (r".*self_attn\.q_proj\.weight(_scale)?", ("heads", None)),
+    (r".*self_attn\.[kv]_proj\.weight(_scale)?", ("kv_heads", None)),
+    (r".*self_attn\.o_proj\.weight(_scale)?", (None, "heads")),
+    (r".*linear_attn\.in_proj_[zab]\.weight(_scale)?", ("v_heads", None)),
     (r".*linear_attn\.(A_log|dt_bias)", ("v_heads",)),
-    (r".*linear_attn\.out_proj\.weight", (None, "v_heads")),
-    (r".*(mlp|shared_expert)\.(gate|up)_proj\.weight", ("mlp", None)),
-    (r".*(mlp|shared_expert)\.down_proj\.weight", (None, "mlp")),
-    (r".*experts\.(gate_up|down)_proj", ("experts", None, None)),  # [E, 2I, D] / [E, D, I]
+    (r".*linear_attn\.out_proj\.weight(_scale)?", (None, "v_heads")),
+    (r".*(mlp|shared_expert)\.(gate|up)_proj\.weight(_scale)?", ("mlp", None)),
+    (r".*(mlp|shared_expert)\.down_proj\.weight(_scale)?", (None, "mlp")),
+    (r".*experts\.(gate_up|down)_proj(_scale)?", ("experts", None, None)),  # [E, 2I, D] / [E, D, I]
 )
 
 # Cache pytree class -> {field: logical axes}. Keyed by class name (cache.py's, the drafter's DraftCache,

@@ -276,6 +276,35 @@ def test_mesh_size_must_match_devices():
         sharding.make_mesh(model=3)
 
 
+def test_real_shapes_layout_at_tp8():
+    """The table at Qwen3.5-27B / 35B-A3B shapes on a (1, 8, 1) mesh (abstract: no devices needed)."""
+    from jax.sharding import AbstractMesh
+
+    from dflash_jax import sharding, synthetic
+    from dflash_jax.config import TargetConfig
+
+    mesh = AbstractMesh((1, 8, 1), sharding.AXES)
+    dense = sharding.Layout.of(TargetConfig.from_hf(synthetic.REAL_SHAPES["27b"][0]), mesh)
+    assert dense.replicated() == ["kv_heads (4) replicated: not divisible by the model axis (8)"]
+    spec = lambda layout, key, shape: tuple(layout.spec(sharding.param_axes(key, len(shape)), shape))  # noqa: E731
+    assert spec(dense, "model.layers.3.self_attn.q_proj.weight", (12288, 5120)) == ("model", None)
+    assert spec(dense, "model.layers.3.self_attn.k_proj.weight", (1024, 5120)) == (None, None)
+    assert spec(dense, "model.layers.0.linear_attn.out_proj.weight", (5120, 6144)) == (None, "model")
+    assert spec(dense, "lm_head.weight", (248320, 5120)) == ("model", None)
+    # MXFP4 (quant.py): packed codes [out, in/2] and scales [out, in/32] split like their weight
+    assert spec(dense, "model.layers.3.self_attn.o_proj.weight", (5120, 3072)) == (None, "model")
+    assert spec(dense, "model.layers.3.self_attn.o_proj.weight_scale", (5120, 192)) == (None, "model")
+    assert spec(dense, "model.layers.0.mlp.down_proj.weight_scale", (5120, 544)) == (None, "model")
+    moe_cfg = TargetConfig.from_hf(synthetic.REAL_SHAPES["35b-a3b"][0])
+    moe = sharding.Layout.of(moe_cfg, mesh)
+    assert spec(moe, "model.layers.0.mlp.experts.gate_up_proj", (256, 1024, 2048)) == ("model", None, None)
+    assert spec(moe, "model.layers.0.mlp.experts.down_proj_scale", (256, 2048, 16)) == ("model", None, None)
+    both = sharding.Layout.of(moe_cfg, AbstractMesh((1, 4, 2), sharding.AXES))  # experts over TP x EP
+    assert spec(both, "model.layers.0.mlp.experts.gate_up_proj", (256, 1024, 2048)) == (("model", "expert"), None,
+                                                                                         None)
+    assert spec(moe, "model.layers.0.mlp.gate.weight", (256, 2048)) == (None, None)  # the router: replicated
+
+
 def test_one_device_mesh_is_the_plain_loop():
     """A 1x1x1 mesh runs the same program as no mesh: the tokens are identical."""
     import jax.numpy as jnp
