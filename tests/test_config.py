@@ -80,6 +80,12 @@ def test_transformers_defaults_for_missing_fields():
     (dict(mtp_use_dedicated_embeddings=True), "mtp_use_dedicated_embeddings=True is not supported"),
     (dict(output_gate_type="sigmoid"), "output_gate_type='sigmoid' is not supported"),
     (dict(sliding_window=4096), "sliding_window=4096 is not supported"),
+    (dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
+    (dict(norm_topk_prob=False), "norm_topk_prob=False is not supported"),
+    (dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    (dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\] is not supported"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, shiny=1)),
+     r"rope_parameters fields \['shiny'\] are not understood"),
     (dict(quantization_config={"quant_method": "fp8"}), "quantized checkpoints are not supported"),
     (dict(eos_token_id=[1, "x"]), "eos_token_id must be a token id or a list of them"),
     (dict(eos_token_id=248320), r"eos_token_id \[248320\] outside the vocabulary"),
@@ -152,7 +158,14 @@ def test_zlab_layouts_agree():
 
 @pytest.mark.parametrize("over, message", [
     (dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1 is not supported"),
     (dict(architectures=["DFlash2DraftModel"]), "DFlash2 drafters"),
+    (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 2], conv_kernel_size=4)), "DFlash2 drafters"),
+    (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 2], use_swa=True)),
+     "dflash_config.use_swa=True is not supported"),
+    (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 2], attention_sink_bias=True)),
+     "dflash_config.attention_sink_bias=True is not supported"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor != 1"),
     (dict(hidden_size=0), "hidden_size must be an integer >= 1, got 0"),
@@ -166,6 +179,12 @@ def test_zlab_layouts_agree():
 def test_drafter_refusals(over, message):
     with pytest.raises(ConfigError, match=message):
         DrafterConfig.from_hf(DRAFTER | over)
+
+
+def test_a_config_that_is_not_a_drafter_is_refused():
+    plain = {k: v for k, v in DRAFTER.items() if k not in ("dflash_config", "block_size")}
+    with pytest.raises(ConfigError, match="not a DFlash drafter config"):
+        DrafterConfig.from_hf(plain)
 
 
 def test_logit_transforms_follow_zlab_compute_logits():
