@@ -169,3 +169,13 @@ def test_exports_write_each_file_whole(tmp_path):
     assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == (tmp_path / "reference.json").read_bytes()
     assert sorted(p.name for p in (tmp_path / "tok").iterdir()) == [
         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+
+
+def test_replacing_without_an_atomic_exchange(tmp_path, monkeypatch):
+    """Where renameat2 is missing the old copy is moved aside, the new one renamed in, the old removed."""
+    monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    d = tmp_path / "out"
+    for content in ("1", "2"):
+        with atomic.directory_writer(d) as tmp:
+            (tmp / "a").write_text(content)
+        assert _tree(d) == {"a": content.encode()} and _siblings(d) == []
