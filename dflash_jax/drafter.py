@@ -24,7 +24,7 @@ from flax import nnx
 from dflash_jax import atomic, checkpoint, kernels
 from dflash_jax.config import DEFAULT_THETA, ConfigError, Fields, TargetConfig, parsing, read_config_json, rope_scaling
 from dflash_jax.kernels import dispatch
-from dflash_jax.layers import MLP, Linear, RMSNorm, with_kernels, write_rows
+from dflash_jax.layers import MLP, Linear, RMSNorm, SplitModel, write_rows
 from dflash_jax.rope import RopeScaling, rope
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -405,24 +405,13 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
 
 
 @dataclasses.dataclass(frozen=True)
-class Drafter:
-    """A loaded drafter: config, the static graph and its parameters (a pytree)."""
+class Drafter(SplitModel):
+    """A loaded drafter: config, the static graph and its parameters (a pytree); ``module()`` is the
+    ``DFlashDrafter``, ``kernels`` / ``with_kernels`` its attention kernel mode."""
 
     cfg: DrafterConfig
     graphdef: nnx.GraphDef
     params: nnx.State
-
-    @property
-    def kernels(self) -> str:
-        """The kernel mode the graph was built with (static: part of every jit cache key)."""
-        return self.module().kernels
-
-    def with_kernels(self, mode: str) -> Drafter:
-        """The same drafter (same parameter arrays) attending in kernel mode ``mode``."""
-        return dataclasses.replace(self, graphdef=nnx.graphdef(with_kernels(self.module(), mode)))
-
-    def module(self) -> DFlashDrafter:
-        return nnx.merge(self.graphdef, self.params)
 
 
 def init_drafter(cfg: DrafterConfig, *, dtype=jnp.float32, seed: int = 0, kernels: str | None = None) -> Drafter:

@@ -12,6 +12,8 @@ graph is, and ``with_kernels`` gives a model the same weights under another mode
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -328,3 +330,20 @@ def with_kernels(model: nnx.Module, mode: str) -> nnx.Module:
         if hasattr(m, "kernels"):
             m.kernels = mode
     return model
+
+
+class SplitModel:
+    """What ``Target`` and ``Drafter`` share: a model held as a frozen dataclass of ``graphdef`` (static)
+    and ``params`` (a pytree), merged back into its NNX module on demand."""
+
+    def module(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.params)
+
+    @property
+    def kernels(self) -> str:
+        """The kernel mode the graph was built with (static: part of every jit cache key)."""
+        return self.module().kernels
+
+    def with_kernels(self, mode: str):
+        """The same model (same parameter arrays) running its kernel-calling layers in mode ``mode``."""
+        return dataclasses.replace(self, graphdef=nnx.graphdef(with_kernels(self.module(), mode)))

@@ -43,7 +43,7 @@ from dflash_jax.layers import (
     Linear,
     RMSNorm,
     SparseMoeBlock,
-    with_kernels,
+    SplitModel,
 )
 
 
@@ -228,8 +228,9 @@ def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOu
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-    """A loaded target: config, the static graph and its parameters (a pytree)."""
+class Target(SplitModel):
+    """A loaded target: config, the static graph and its parameters (a pytree); ``module()`` is the
+    ``Qwen35ForCausalLM``, ``kernels`` / ``with_kernels`` the kernel mode of its layers."""
 
     cfg: TargetConfig
     graphdef: nnx.GraphDef
@@ -238,18 +239,6 @@ class Target:
     @property
     def dtype(self):
         return self.params["model"]["embed_tokens"]["weight"].get_value().dtype
-
-    @property
-    def kernels(self) -> str:
-        """The kernel mode the graph was built with (static: part of every jit cache key)."""
-        return self.module().kernels
-
-    def with_kernels(self, mode: str) -> Target:
-        """The same target (same parameter arrays) running its layers in kernel mode ``mode``."""
-        return dataclasses.replace(self, graphdef=nnx.graphdef(with_kernels(self.module(), mode)))
-
-    def module(self) -> Qwen35ForCausalLM:
-        return nnx.merge(self.graphdef, self.params)
 
     def prefill(self, tokens, lengths, *, capacity: int, taps: tuple[int, ...] = ()):
         return prefill(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32),
