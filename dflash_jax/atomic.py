@@ -21,7 +21,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -118,15 +118,21 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def directory_writer(path: str | Path) -> Iterator[Path]:
+def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | None = None,
+                     what: str = "output") -> Iterator[Path]:
     """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` whole.
 
     On an exception (or a kill) the previous ``path`` stays as it was. Raises ``WriteError`` when the
-    parent cannot be written, ``path`` is a file, or another process is writing ``path`` now.
+    parent cannot be written, ``path`` is a file, another process is writing ``path`` now, or ``path``
+    is a non-empty directory for which ``replaces(path)`` is false (a folder of the user's that a
+    ``what`` must not wipe).
     """
     path = Path(path).absolute()
     if path.exists() and not path.is_dir():
         raise WriteError(f"{path} exists and is not a directory")
+    if replaces is not None and path.is_dir() and any(path.iterdir()) and not replaces(path):
+        raise WriteError(f"{path} is a non-empty directory that is not a {what}; refusing to replace it "
+                         "(write to a new or empty directory)")
     check_writable(path.parent)
     lock_file = path.with_name(f".{path.name}.lock")
     with open(lock_file, "a") as lock:

@@ -465,3 +465,11 @@ def test_converted_copy_is_atomic_and_checksummed(hf_dense, tmp_path, monkeypatc
     (out / atomic.MANIFEST).unlink()  # what a copy whose write never finished looks like
     with pytest.raises(CheckpointError, match=f"incomplete conversion at {out}"):
         load_target(out, progress=False)
+    save_converted(tg, src, out)  # an earlier copy, finished or not, may be replaced ...
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(atomic.WriteError, match="not a converted copy; refusing to replace it"):
+        save_converted(tg, src, tmp_path / "mine")  # ... a folder of the user's not
+    with pytest.raises(atomic.WriteError, match="holds the source checkpoint"):
+        save_converted(tg, src, src)
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
