@@ -47,10 +47,10 @@ class Sizes:
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 2400
+    drafter_steps: int = 1200
     drafter_lr: float = 2e-3
     mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 2400
+    mtp_steps: int = 1200
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
@@ -85,14 +85,22 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     log["sizes"] = dataclasses.asdict(sizes)
     tok_dir = work / "tokenizer"
 
-    def save_log():
+    mine = {"sizes"}  # entries this process wrote; stages may run in parallel processes (--stages drafter / mtp)
+
+    def stamp(name: str, t0: float, **values) -> None:
+        stamp(name, t0, **values)
+        mine.add(name)
+
+    def save_log():  # keeps what other processes wrote meanwhile
+        disk = json.loads(log_file.read_text()) if log_file.exists() else {}
+        log.update({k: v for k, v in disk.items() if k not in mine})
         log_file.write_text(json.dumps(log, indent=2))
 
     if "tokenizer" in stages and not (tok_dir / "tokenizer.json").exists():
         t0 = time.time()
         tok = tk.train_tokenizer(corpus.stdlib_files("train"), sizes.vocab)
         tk.save_hf(tok, tok_dir)
-        _stamp(log, "tokenizer", t0, vocab=tok.get_vocab_size())
+        stamp("tokenizer", t0, vocab=tok.get_vocab_size())
         save_log()
     tok = tk.load(tok_dir)
     eos, mask = tok.token_to_id(tk.EOS), tok.token_to_id(tk.MASK)
@@ -116,7 +124,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         held_bytes = sum(len(tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in held)
         train_eval = lm.heldout_loss(target, corpus.eval_windows(train_stream, sizes.seq, sizes.heldout_windows))
         lm.save_target(target_dir, target)
-        _stamp(log, "target", t0, params=lm.param_count(target.params), steps=res.step,
+        stamp("target", t0, params=lm.param_count(target.params), steps=res.step,
                tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(res.seconds, 1),
                tokens_per_second=round(res.step * sizes.target_batch * sizes.seq / max(res.seconds, 1e-9)),
                final_train_loss=res.history[-1]["loss"], train_windows_loss=train_eval, heldout_loss=held_nll,
@@ -138,7 +146,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                                                                      seed=2)])
         seqs = dtrain.regenerate(target, prompts, sizes.seq - sizes.prompt_len, batch=sizes.gen_batch)
         np.savez(data_file, tokens=seqs, prompt_len=sizes.prompt_len)
-        _stamp(log, "data", t0, sequences=len(seqs), tokens=int(seqs.size), stdlib_sequences=sizes.data_seqs,
+        stamp("data", t0, sequences=len(seqs), tokens=int(seqs.size), stdlib_sequences=sizes.data_seqs,
                prompt_sequences=len(seqs) - sizes.data_seqs, prompt_source=source)
         save_log()
     data = np.load(data_file)
@@ -155,7 +163,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                                             log_file=work / "progress_drafter.jsonl")
         from dflash_jax.drafter import save_drafter
         save_drafter(drafter_dir, drafter)
-        _stamp(log, "drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
+        stamp("drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
                train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"],
                final_acc=res.history[-1].get("acc"))
         save_log()
@@ -168,7 +176,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         with_mtp, res = mtrain.train_mtp(target, seqs, prompt_len, tcfg, batch=sizes.mtp_batch, seed=0,
                                          ckpt_dir=work / "ckpt_mtp", log_file=work / "progress_mtp.jsonl")
         lm.save_target(final_dir, with_mtp)
-        _stamp(log, "mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
+        stamp("mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
                train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"])
         save_log()
 
@@ -186,7 +194,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         table = evaluate.acceptance_table(export, n_prompts=sizes.eval_prompts)
         source, prompts = evaluate.eval_prompts(tok, sizes.eval_prompts)
         quality = lm.continuation_quality(load_target(export / "target", jnp.float32, progress=False), prompts)
-        _stamp(log, "eval", t0, table=table, continuations={
+        stamp("eval", t0, table=table, continuations={
             "prompts": source, "new_tokens": 128, "distinct_4gram_ratios": [round(r, 3) for r in quality["ratios"]],
             "below_0.5": quality["loops"]})
         save_log()
