@@ -209,3 +209,14 @@ def test_no_import_cycle_between_cli_and_bench():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom | ast.Import) for a in n.names} | {
         n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert "dflash_jax.cli" not in imported and "cli" not in imported
+
+
+@shipped
+def test_nonfinite_logits_are_an_error_not_a_stop(capsys):
+    """A temperature so small that logits / T overflow: exit 1 with one message, never a normal 'stop'."""
+    argv = ["generate", "def f(", "--temperature", "1e-38", "--max-new-tokens", "4", "--no-compare", "--quiet",
+            "--json"]
+    assert cli.main(argv) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["completions"][0]["finish_reason"] == "nonfinite"
+    assert out.err.startswith("dflash-jax: error: prompt 1: the target's logits became non-finite")
