@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import roofline, synthetic
+from dflash_jax import atomic, roofline, synthetic
 from dflash_jax.cache import init_cache
 from dflash_jax.drafter import init_draft_cache
 from dflash_jax.proposers import DFlashProposer, TargetView
@@ -270,8 +270,7 @@ def main(argv=None) -> int:
                  args.context, args.tau)
     print(format_report(rep))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rep, f, indent=1)
+        atomic.write_text(args.json, json.dumps(rep, indent=1))
     return 0
 
 

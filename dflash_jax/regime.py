@@ -18,13 +18,12 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import roofline, synthetic
+from dflash_jax import atomic, roofline, synthetic
 
 
 def _hybrid(D: int, L: int, F: int, heads: tuple[int, int, int], gdn: tuple[int, int, int]) -> dict:
@@ -130,7 +129,7 @@ def main(argv=None) -> int:
             print(f"| {name} | {params / 1e6:.0f}M | {share:.1%} | {tau} | {r['ar_decode_tok_s']:.1f} | "
                   + " | ".join(cells) + " |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        atomic.write_text(args.json, json.dumps(results, indent=1))
     return 0
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import atomic
 from dflash_jax.kernels.common import KernelCase
 from dflash_jax.kernels.report import KERNEL_MODULES, collect_cases
 
@@ -157,9 +158,8 @@ def main(argv=None) -> int:
         print(format_table(rows[-1:], device, peak).splitlines()[-1], file=sys.stderr, flush=True)
     print(format_table(rows, device, peak))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": device, "peak_bw": peak, "rows": [dataclasses.asdict(r) for r in rows]}, f,
-                      indent=1)
+        atomic.write_text(args.json, json.dumps(
+            {"device": device, "peak_bw": peak, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
     return 0
 
 

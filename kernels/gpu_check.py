@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import roofline, synthetic
+from dflash_jax import atomic, roofline, synthetic
 from dflash_jax.kernels.bench import bench_case, fill, peak_bandwidth
 from dflash_jax.kernels.common import KernelCase
 from dflash_jax.kernels.report import KERNEL_MODULES, collect_cases
@@ -220,7 +220,7 @@ def main(argv=None) -> int:
             entry = dict(met=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         entry["wall_s"] = round(time.perf_counter() - start, 1)
         result["parts"][name] = entry
-        (out_dir / "gpu_check.json").write_text(json.dumps(result, indent=1, default=float))
+        atomic.write_text(out_dir / "gpu_check.json", json.dumps(result, indent=1, default=float))
         print(f"gpu_check {name}: {json.dumps(entry, default=float)[:400]}", file=sys.stderr, flush=True)
 
     repo = Path(__file__).resolve().parents[1]
