@@ -44,7 +44,7 @@ class Machine:
     name: str = ""
 
 
-# Published peaks (dense bf16 FLOP/s, HBM bytes/s), for projections; see reference/jax_anchors.md §5.
+# Published peaks (dense bf16 FLOP/s, HBM bytes/s; the vendors' data sheets), for projections.
 H200 = Machine(989e12, 4.8e12, "H200 (peak)")
 MI355X = Machine(2.5e15, 8e12, "MI355X (peak)")
 

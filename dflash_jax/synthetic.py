@@ -8,7 +8,7 @@ program, so they are created on the device (a 27B target never passes through ho
 ``abstract_target`` / ``abstract_drafter`` give ``jax.ShapeDtypeStruct`` leaves for ``jit(...).lower``.
 
 ``REAL_SHAPES`` holds the ``config.json`` fields of Qwen3.5-27B and 35B-A3B and of DFlash drafters for
-them (reference/qwen35.md §1.1, reference/dflash.md §5). The released Qwen3.5-27B drafter's config was not
+them (the published Qwen3.5 and z-lab DFlash config.json files). The released Qwen3.5-27B drafter's config was not
 readable; its shape follows z-lab's Qwen3.6-27B drafter (5 layers, width 5120, MLP 17408, 32 / 8 heads of
 128) with every layer full attention.
 """

@@ -3,10 +3,10 @@
 Where it sits: the GDN layers of the Qwen3.5 target call these after their projections, causal conv,
 q/k L2-norm and gate math; the state lives in the target cache. Prefill runs ``gdn_chunked``; each
 speculative step runs ``gdn_verify`` on the T <= 16 block tokens (cache untouched) and, once the
-acceptance length is known, ``gdn_replay`` applies the first n[b] of them (DESIGN.md "Caches and commit").
+acceptance length is known, ``gdn_replay`` applies the first n[b] of them (``target.commit``).
 
 Per (row, value head) the state S is a [Dk, Dv] f32 matrix and each token applies
-``S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q`` (reference/qwen35.md §3.3).
+``S <- exp(g) S;  u = beta (v - S^T k);  S <- S + k u^T;  o = S^T q`` (transformers' torch_recurrent_gated_delta_rule).
 Inputs arrive already prepared by the layer: q and k L2-normalised (q also scaled by Dk^-0.5),
 ``g`` the f32 log-decay and ``beta`` the f32 write strength. q and k have Hk heads; value head j
 reads key head j // (Hv // Hk). A token with ``g = beta = 0`` leaves the state exactly unchanged,
@@ -435,7 +435,7 @@ def gdn_replay(k, v, g, beta, state, n, *, impl=None):
 # ---------------------------------------------------------------------------------------------
 # Shipped configurations, for the compile report and the GPU bench
 
-# (name, Hk, Hv); Dk = Dv = 128 for both (reference/qwen35.md §3.1)
+# (name, Hk, Hv); Dk = Dv = 128 for both (their config.json files)
 _MODELS = (("27b", 16, 48), ("35b_a3b", 16, 32))
 
 

@@ -1,6 +1,6 @@
 """Grouped (per-expert) matmul for the MoE layers: token rows sorted by expert times expert weights.
 
-Where it sits: the Qwen3.5-35B-A3B sparse MoE block (reference/qwen35.md §5) sorts its M = tokens x 8
+Where it sits: the Qwen3.5-35B-A3B sparse MoE block (transformers' Qwen3_5MoeSparseMoeBlock) sorts its M = tokens x 8
 routed rows by expert and calls ``grouped_matmul`` twice per layer, gate_up ([E, 2I, H] =
 [256, 1024, 2048]) then down ([E, H, I] = [256, 2048, 512]). Expert weights keep the checkpoint's
 [E, out, in] layout (no transpose at load time).
@@ -198,7 +198,7 @@ def grouped_matmul(x, w, group_sizes, *, impl=None):
 # ---------------------------------------------------------------------------------------------
 # Shipped configurations, for the compile report and the GPU bench
 
-# Qwen3.5-35B-A3B (reference/qwen35.md §5): E=256 experts, top-8, hidden 2048, expert width I=512.
+# Qwen3.5-35B-A3B (its config.json): E=256 experts, top-8, hidden 2048, expert width I=512.
 _E, _TOP_K, _HIDDEN, _INTER = 256, 8, 2048, 512
 
 

@@ -362,7 +362,7 @@ def mxfp4_grouped_matmul(x, w_packed, scales, group_sizes, *, impl=None):
 # ---------------------------------------------------------------------------------------------
 # Shipped configurations, for the compile report and the GPU bench
 
-# Qwen3.5-27B (reference/jax_anchors.md §2): hidden 5120, MLP 17408, q_proj 24 heads x 256 x 2 (gate).
+# Qwen3.5-27B (its config.json): hidden 5120, MLP 17408, q_proj 24 heads x 256 x 2 (gate).
 _PROJECTIONS_27B = (("mlp_gate_up", 17408, 5120), ("mlp_down", 5120, 17408), ("q_proj", 12288, 5120))
 
 

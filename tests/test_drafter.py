@@ -219,7 +219,7 @@ def target():
 
 
 def test_real_config_parses_and_fits_its_target():
-    """Qwen3.6-27B-DFlash's config.json fields (reference/dflash.md §5) against the 27B target's sizes."""
+    """Qwen3.6-27B-DFlash's config.json fields (as z-lab publishes them) against the 27B target's sizes."""
     raw = {**BASE, "hidden_size": 5120, "num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 4,
            "head_dim": 128, "intermediate_size": 17408, "vocab_size": 248320, "block_size": 16,
            "num_target_layers": 64, "rope_theta": 10000000, "rope_scaling": None, "sliding_window": None,

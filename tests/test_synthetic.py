@@ -57,7 +57,7 @@ def test_abstract_models_allocate_nothing():
 
 @pytest.mark.parametrize("name, billions", [("27b", 26.90), ("35b-a3b", 34.66)])
 def test_real_shapes_have_the_published_sizes(name, billions):
-    """Text parameters of HF's Qwen3.5 instantiated on the meta device (reference/qwen35.md §1.1)."""
+    """Text parameters of HF's Qwen3.5 instantiated on the meta device."""
     raw_target, raw_drafter = synthetic.REAL_SHAPES[name]
     target = synthetic.abstract_target(raw_target)
     assert sum(x.size for x in jax.tree.leaves(target.params)) / 1e9 == pytest.approx(billions, abs=0.005)

@@ -1,4 +1,4 @@
-"""Training the DFlash drafter (reference/dflash.md §6) on a frozen target's own greedy continuations.
+"""Training the DFlash drafter (the DFlash paper's recipe) on a frozen target's own greedy continuations.
 
 Sits on ``loop.py``, the drafter modules of ``dflash_jax.drafter`` and the frozen target. The recipe:
 the target regenerates corpus snippets (``regenerate``); its taps over each whole sequence are
