@@ -287,7 +287,7 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
         compile_s=dict(method=round(m_t.compile_s, 3), baseline=round(a_t.compile_s, 3)),
         ceiling=ceiling(method, target.cfg, drafter_cfg, tau=tau, batch=rows, context=context, dtype=dtype),
         same_tokens=m_t.outputs[0].token_lists() == a_t.outputs[0].token_lists(),
-        greedy=sampling.greedy, backend=jax.default_backend())
+        greedy=sampling.greedy, backend=jax.default_backend(), busy=busy_note())
 
 
 def _fmt(s: dict, unit: str = "x") -> str:
@@ -305,6 +305,8 @@ def format_comparison(c: dict) -> str:
              f"{c['compile_s']['method']:.1f} s + {c['compile_s']['baseline']:.1f} s"]
     if c["greedy"] and not c["same_tokens"]:
         lines.append(" WARNING: greedy output differs from plain decoding")
+    if c.get("busy"):
+        lines.append(f" note: {c['busy']}")
     return "\n".join(lines) + "]"
 
 
@@ -402,6 +404,11 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             ratio = speedups(t, ar, n, n_ar, rows)
             tau = float(np.mean(tau_rows))
             secs, n_steps = phase[m]
+            # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
+            iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
+            loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
+            floor_ms = step_floor_ms(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
+                                     context=bucket + args.max_new_tokens // 2, dtype=args.dtype)
             results.append(dict(
                 workload=workload, concurrency=conc, method=m.name, kind=m.kind, block=m.block,
                 prompts=len(prompts), rows=rows, prompt_bucket=bucket, repeats=args.repeats, tokens=n,
@@ -419,23 +426,82 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
                 step_ms=dict(zip(("draft", "verify", "commit"), (secs / max(n_steps, 1) * 1e3).round(4).tolist(),
                                  strict=True)),
-                profiled_steps=n_steps, compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
+                profiled_steps=n_steps, loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
+                floor_ms=None if floor_ms is None else round(floor_ms, 4),
+                floor_x=None if floor_ms is None else round(loop_ms / floor_ms, 3),
+                compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
                 matches_ar=all(same) if sampling.greedy else None, mismatched_rows=len(same) - sum(same),
                 simulated=simulate is not None and m.kind != "ar"))
     return results
 
 
+def step_floor_ms(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
+    """The step's roofline floor on this machine in ms (``roofline.measured_step_seconds``); None for MTP."""
+    if method.kind == "mtp":
+        return None
+    return 1e3 * roofline.measured_step_seconds(target_cfg, drafter_cfg if method.kind == "dflash" else None,
+                                                block=method.block, batch=batch, context=context,
+                                                dtype=jnp.dtype(dtype))
+
+
+# The issue's goals for the step on the XLA path: (what, how it is computed, limit, <= or >=).
+STEP_GOALS = (("DFlash block-16 step / its floor", ("floor_x", "dflash:16", None), 1.3, "<="),
+              ("plain-decoding step / its floor", ("floor_x", "ar", None), 2.0, "<="),
+              ("DFlash draft ms, block 16 / block 4", ("draft", "dflash:16", "dflash:4"), 1.3, "<="),
+              ("MTP draft ms, 15 steps / 3 steps", ("draft", "mtp:15", "mtp:3"), 3.0, ">="))
+
+
+def format_goals(results: list[dict]) -> str:
+    """Lines comparing the loop's step with its floor and the draft-time scaling against the goals above."""
+    lines = []
+    for key in dict.fromkeys((r["workload"], r["concurrency"]) for r in results):
+        by = {r["method"]: r for r in results if (r["workload"], r["concurrency"]) == key}
+        for what, (field, a, b), limit, sense in STEP_GOALS:
+            if a not in by or (b is not None and b not in by):
+                continue
+            if field == "floor_x":
+                value = by[a]["floor_x"]
+                detail = f"{by[a]['loop_step_ms']:.2f} ms / {by[a]['floor_ms']:.2f} ms"
+            else:
+                den = by[b]["step_ms"]["draft"]
+                value = by[a]["step_ms"]["draft"] / den if den > 0 else None
+                detail = f"{by[a]['step_ms']['draft']:.2f} ms / {den:.2f} ms"
+            if value is None:
+                continue
+            met = value <= limit if sense == "<=" else value >= limit
+            lines.append(f"{key[0]} c={key[1]}: {what} = {value:.2f}x ({detail}); goal {sense} {limit} "
+                         f"{'met' if met else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def busy_note() -> str | None:
+    """A warning when other processes compete for the CPUs (load average above 1.5 x the cores): the
+    timed runs are then noisy, however they are interleaved."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return None
+    cores = os.cpu_count() or 1
+    if load <= 1.5 * cores:
+        return None
+    return (f"the machine is busy (load average {load:.1f} on {cores} cores): other processes share the CPUs, "
+            f"so single runs vary widely; read the spreads, and rerun on a quiet machine for firm figures")
+
+
 def format_table(results: list[dict]) -> str:
     head = (f"{'workload':<10} {'conc':>4} {'method':<10} {'tau':>6} {'tok/s':>9} {'speedup (min-max)':>18} "
-            f"{'ceiling':>7} {'e2e':>6} {'draft ms':>8} {'verify ms':>9} {'commit ms':>9} {'compile s':>9}  greedy==ar")
+            f"{'ceiling':>7} {'e2e':>6} {'step ms':>7} {'x floor':>7} {'draft ms':>8} {'verify ms':>9} "
+            f"{'commit ms':>9} {'compile s':>9}  greedy==ar")
     lines = [head, "-" * len(head)]
     for r in results:
         same = {True: "yes", False: f"NO ({r['mismatched_rows']} rows)", None: "n/a (sampled)"}[r["matches_ar"]]
         ms, sp = r["step_ms"], r["speedup_spread"]
         ceil = "n/a" if r["ceiling"] is None else f"{r['ceiling']:.2f}x"
+        floor = "n/a" if r["floor_x"] is None else f"{r['floor_x']:.2f}x"
         lines.append(f"{r['workload']:<10} {r['concurrency']:>4} {r['method']:<10} {r['tau']:>6.2f} "
                      f"{r['tokens_per_s']:>9.1f} {sp['median']:>6.2f}x ({sp['min']:.2f}-{sp['max']:.2f}) "
-                     f"{ceil:>7} {r['e2e_speedup']:>5.2f}x {ms['draft']:>8.2f} {ms['verify']:>9.2f} "
+                     f"{ceil:>7} {r['e2e_speedup']:>5.2f}x {r['loop_step_ms']:>7.2f} {floor:>7} "
+                     f"{ms['draft']:>8.2f} {ms['verify']:>9.2f} "
                      f"{ms['commit']:>9.2f} {r['compile_s']:>9.1f}  {same}")
     return "\n".join(lines)
 
@@ -492,7 +558,49 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "(warm), methods alternate order; compile_s (first run less a warm run) is excluded. ceiling: the "
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
           "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
-          "first profile_batches batches. tau: mean over rows of tokens committed per target step.")
+          "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "
+          "step as it runs); floor_ms: the step's roofline time at this machine's measured rates "
+          "(roofline.measured_step_seconds); floor_x: their ratio. tau: mean over rows of tokens committed "
+          "per target step.")
+
+
+def random_models(args, methods):
+    """(target, drafter or None, target config path, drafter config path or None) for ``--random-config``:
+    random weights from the config files alone, made on the device (``synthetic``); no checkpoint read."""
+    from dflash_jax import synthetic
+
+    given = [f for f in ("model", "draft_model", "tokenizer", "prompts") if getattr(args, f)]
+    if given:
+        raise ValueError(f"--random-config builds the models and prompts itself: drop "
+                         f"{', '.join('--' + f.replace('_', '-') for f in given)}")
+    paths = [Path(p) for p in args.random_config.split(",")]
+    if len(paths) > 2:
+        raise ValueError(f"--random-config: expected TARGET_CONFIG[,DRAFTER_CONFIG], got {len(paths)} paths")
+    for p in paths:
+        if not p.exists():
+            raise ValueError(f"--random-config {p}: does not exist")
+    target_path, draft_path = paths[0], paths[1] if len(paths) == 2 else None
+    cfg = synthetic.target_config(target_path)
+    if any(m.kind == "dflash" for m in methods) and draft_path is None:
+        raise ValueError("--random-config: DFlash methods need a drafter config: give TARGET_CONFIG,DRAFTER_CONFIG "
+                         "(or --methods without dflash)")
+    dtype = runtime.DTYPES[args.dtype]
+    mtp = any(m.kind == "mtp" for m in methods) and cfg.mtp_num_hidden_layers > 0
+    target = synthetic.random_target(cfg, dtype=dtype, mtp=mtp, seed=args.seed)
+    drafter = None
+    if any(m.kind == "dflash" for m in methods):
+        drafter = synthetic.random_drafter(draft_path, target, seed=args.seed + 1)
+        too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
+        if too_big:
+            raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
+                             f"({draft_path})")
+    return target, drafter, target_path, draft_path if drafter is not None else None
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` uniform random token ids (ids 0 and 1 left out: often EOS / mask)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(2, vocab_size, (n, length)).tolist()
 
 
 def cmd_bench(args) -> int:
@@ -515,12 +623,21 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--profile-batches must be >= 0, got {args.profile_batches}")
     if args.simulate_acceptance and args.temperature != 0:
         raise ValueError("--simulate-acceptance replays the greedy output: it needs --temperature 0")
+    if args.random_prompt_len < 1:
+        raise ValueError(f"--random-prompt-len must be >= 1, got {args.random_prompt_len}")
     args.dtype = args.dtype or runtime.default_dtype()
     out = runtime.writable_dir(args.out, "--out")
-    turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
-    model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
-    target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
-                                          progress=not args.quiet, mesh=mesh)
+    if args.random_config:
+        workloads = ["random"]
+        target, drafter, model_dir, draft_dir = random_models(args, methods)
+        encoded = {"random": random_prompts(args.num_prompts, args.random_prompt_len, target.cfg.vocab_size,
+                                            args.seed)}
+        how = f"random token ids ({args.random_prompt_len} per prompt)"
+    else:
+        turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
+        model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
+        target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
+                                              progress=not args.quiet, mesh=mesh)
     notes = []
     if any(m.kind == "mtp" for m in methods) and not runtime.has_mtp(target):
         notes.append(f"skipped {', '.join(m.name for m in methods if m.kind == 'mtp')}: {model_dir} has no MTP "
@@ -528,10 +645,12 @@ def cmd_bench(args) -> int:
         methods = [m for m in methods if m.kind != "mtp"]
     for note in notes:
         print(f"dflash-jax bench: {note}", file=sys.stderr)
-    tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
-    encoded = {w: [runtime.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
-               for w in workloads}
-    how = runtime.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
+    if not args.random_config:
+        tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir,
+                                           "--tokenizer" if args.tokenizer else "--model")
+        encoded = {w: [runtime.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
+                   for w in workloads}
+        how = runtime.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
     units = sum(args.repeats * len(methods) * len(_batches(len(encoded[w]), c)) for w in workloads
                 for c in args.concurrency)
     results = []
@@ -539,6 +658,13 @@ def cmd_bench(args) -> int:
         for w in workloads:
             results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh)
     print(format_table(results))
+    goals = format_goals(results)
+    if goals:
+        print(goals)
+    busy = busy_note()
+    if busy:
+        notes.append(busy)
+        print(f"dflash-jax bench: {busy}", file=sys.stderr)
     greedy = [r for r in results if r["matches_ar"] is not None]
     if greedy:
         bad = [f"{r['workload']}/c{r['concurrency']}/{r['method']}" for r in greedy if not r["matches_ar"]]
@@ -547,7 +673,8 @@ def cmd_bench(args) -> int:
     report = dict(
         args={k: v for k, v in vars(args).items() if k != "func"}, machine=_machine(),
         models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if drafter else None,
-                    tokenizer=str(args.tokenizer or model_dir), dtype=args.dtype),
+                    tokenizer=None if args.random_config else str(args.tokenizer or model_dir), dtype=args.dtype,
+                    random_weights=bool(args.random_config)),
         settings=dict(workloads=workloads, methods=[m.name for m in methods], concurrency=args.concurrency,
                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -610,6 +737,10 @@ def add_parser(sub) -> None:
     b.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
     b.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target)")
+    b.add_argument("--random-config", metavar="TARGET_CONFIG[,DRAFTER_CONFIG]",
+                   help="random-weight target (and drafter) from config.json files alone, made on the device; "
+                        "prompts are random token ids (pair with --simulate-acceptance to fix tau)")
+    b.add_argument("--random-prompt-len", type=int, default=64, help="tokens per prompt with --random-config")
     b.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     b.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
                    help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")

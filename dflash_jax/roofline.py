@@ -224,9 +224,15 @@ def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, blo
     The plain step's rates are measured at ``batch`` rows and its own bytes as the working set, the
     DFlash step's at ``batch * block`` rows and its bytes (``measure_machine`` caches both).
     """
-    def seconds(drafter, block):
-        cost = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
-        machine = measure_machine(jnp.dtype(dtype).name, rows=batch * block, working_set_bytes=int(cost.bytes))
-        return cost.seconds(machine)
+    plain = measured_step_seconds(target, None, block=1, batch=batch, context=context, dtype=dtype)
+    return tau * plain / measured_step_seconds(target, drafter, block=block, batch=batch, context=context,
+                                               dtype=dtype)
 
-    return tau * seconds(None, 1) / seconds(drafter, block)
+
+def measured_step_seconds(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,
+                          context: int = 0, dtype=jnp.float32) -> float:
+    """A step's floor on this process's device: its roofline time at the rates measured for its own shape
+    (``batch * block`` matmul rows, its bytes as the working set); the bench prints step time over it."""
+    cost = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
+    machine = measure_machine(jnp.dtype(dtype).name, rows=batch * block, working_set_bytes=int(cost.bytes))
+    return cost.seconds(machine)

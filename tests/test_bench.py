@@ -7,9 +7,12 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax import bench
+from dflash_jax import bench, runtime
 from dflash_jax.cli import main
 from dflash_jax.drafter import DrafterConfig, init_drafter, save_drafter
+from dflash_jax.proposers import NoProposer
+from dflash_jax.sampling import SamplingConfig
+from dflash_jax.speculative import SpeculativeLoop
 from dflash_jax.target import load_target
 
 WORDS = [f"w{i}" for i in range(80)]
@@ -185,6 +188,72 @@ def test_identical_work_reads_exactly_one_even_when_interleaving_evicts_caches()
     assert timing["dflash"].decode_s == [2.0] * 3  # warm: no cold-cache penalty in any timed run
 
 
+def test_identical_work_is_timed_through_one_compiled_program(hf_dense, monkeypatch):
+    """compare(ar) against plain decoding (the CLI's --block-size 1): every run, warm-up and timed, of
+    both 'methods' goes through one loop object (one set of compiled programs, compiled once), and
+    the figures are medians over the repeats with their spread."""
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    loops, real = [], bench.timed_run
+    monkeypatch.setattr(bench, "timed_run", lambda loop, *a, **k: (loops.append(loop), real(loop, *a, **k))[1])
+    before = SpeculativeLoop.decode._cache_size()
+    c = bench.compare(target, NoProposer(), (), runtime.AR, [[3, 4, 5]], max_new_tokens=4, sampling=SamplingConfig(),
+                      stop_ids=(), seed=0, repeats=3, drafter_cfg=None, dtype="float32")
+    assert len(loops) == 2 * (2 + 2 * 3)  # per method: first + warm run, then an untimed + a timed run per repeat
+    assert len({id(loop) for loop in loops}) == 1 and SpeculativeLoop.decode._cache_size() - before <= 1
+    assert c["same_tokens"] and c["tokens"] == c["baseline_tokens"] == 4 and c["ceiling"] == 1.0
+    assert c["repeats"] == 3 and set(c["decode_speedup"]) == {"median", "min", "max"}
+
+
+def test_goals_compare_the_step_with_its_floor_and_the_draft_scaling():
+    def row(method, floor_x, draft):
+        return dict(workload="w", concurrency=1, method=method, floor_x=floor_x, loop_step_ms=2.0 * (floor_x or 1),
+                    floor_ms=2.0, step_ms=dict(draft=draft, verify=1.0, commit=1.0))
+    text = bench.format_goals([row("ar", 1.5, 0.0), row("dflash:4", 1.1, 2.0), row("dflash:16", 1.6, 3.0),
+                               row("mtp:3", None, 1.0), row("mtp:15", None, 4.0)])
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert "DFlash block-16 step / its floor = 1.60x (3.20 ms / 2.00 ms); goal <= 1.3 NOT met" in lines[0]
+    assert "plain-decoding step / its floor = 1.50x" in lines[1] and lines[1].endswith("met")
+    assert "block 16 / block 4 = 1.50x" in lines[2] and lines[2].endswith("NOT met")
+    assert "15 steps / 3 steps = 4.00x" in lines[3] and lines[3].endswith("goal >= 3.0 met")
+    assert bench.format_goals([row("ar", 1.5, 0.0)]).count("\n") == 0  # only the goals whose methods ran
+
+
+def test_a_busy_machine_is_said(monkeypatch):
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (9.5, 5.0, 2.0))
+    assert "busy (load average 9.5 on 2 cores)" in bench.busy_note()
+    monkeypatch.setattr(bench.os, "getloadavg", lambda: (2.2, 5.0, 2.0))
+    assert bench.busy_note() is None
+
+
+def test_random_config_benches_models_made_from_configs_alone(tmp_path, capsys):
+    target_cfg, drafter_cfg = runtime.ASSETS / "target" / "config.json", runtime.ASSETS / "drafter" / "config.json"
+    out = tmp_path / "r"
+    assert main(["bench", "--random-config", f"{target_cfg},{drafter_cfg}", "--methods", "ar,dflash:4",
+                 "--simulate-acceptance", "3", "--max-new-tokens", "9", "--num-prompts", "1", "--random-prompt-len",
+                 "20", "--repeats", "1", "--no-plots", "--quiet", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["models"]["random_weights"] and report["models"]["tokenizer"] is None
+    (ar, dflash) = report["results"]
+    assert ar["workload"] == "random" and ar["prompt_bucket"] == 32 and dflash["method"] == "dflash:4"
+    assert dflash["tau"] == pytest.approx(4.0, abs=0.5) and dflash["matches_ar"]  # 3 drafts accepted per step
+    assert ar["floor_ms"] > 0 and ar["loop_step_ms"] > 0
+    assert "greedy check: every method's text equals ar's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--model", "x"], "--random-config builds the models and prompts itself: drop --model"),
+    (["--methods", "ar,dflash:4"], "DFlash methods need a drafter config"),
+    (["--random-prompt-len", "0"], "--random-prompt-len must be >= 1"),
+])
+def test_random_config_errors(tmp_path, capsys, extra, match):
+    argv = ["bench", "--random-config", str(runtime.ASSETS / "target" / "config.json"), "--out", str(tmp_path),
+            "--quiet", *extra]
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
 def test_spread():
     assert bench.spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
 
@@ -198,21 +267,6 @@ def test_bench_writes_json_before_plotting_and_notes_missing_matplotlib(setup, c
     err = capsys.readouterr().err
     assert "no plots (matplotlib is not installed" in err and "Traceback" not in err
     assert json.loads((out / "bench.json").read_text())["plots"] == []
-
-
-@pytest.mark.parametrize("content, match", [
-    ('{"turns": ["a"]}\n[1, 2]\n', "line 2 is a JSON list, not an object"),
-    ('{"turns": ["a"]}\n{"turns": [\n', "line 2 is not valid JSON"),
-    (b'{"turns": ["\xff"]}\n', "line 1 is not valid UTF-8"),
-    ('{"prompt": "a"}\n', 'object 1 has no non-empty "turns" list'),
-])
-def test_bad_prompts_file_is_one_clear_message(tmp_path, capsys, content, match):
-    path = tmp_path / "p.jsonl"
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    assert main(["bench", "--workload", "mbpp", "--prompts", str(path), "--out", str(tmp_path / "o"),
-                 "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert match in err and f"--prompts {path}" in err and "Traceback" not in err
 
 
 def test_prompts_naming_a_directory_and_unwritable_out(tmp_path, capsys):

@@ -155,16 +155,20 @@ def test_invalid_utf8_prompt(capsys, monkeypatch):
     assert "the prompt on stdin is not valid UTF-8 (byte 0xff" in _error(capsys, ["generate", "-"])
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"prompt": "a"}\n[1]\n', "line 2 is a JSON list, not an object"),
-    ('{"prompt": 3}\n', 'line 1 has no "prompt" string'),
-    (b'{"prompt": "\xff"}\n', "line 1 is not valid UTF-8"),
-    ("\n", "no prompts in the file"),
+@pytest.mark.parametrize("command, content, match", [
+    ("generate", '{"prompt": "a"}\n[1]\n', "line 2 is a JSON list, not an object"),
+    ("generate", '{"prompt": 3}\n', 'line 1 has no "prompt" string'),
+    ("generate", b'{"prompt": "\xff"}\n', "line 1 is not valid UTF-8"),
+    ("generate", "\n", "no prompts in the file"),
+    ("bench", '{"turns": ["a"]}\n{"turns": [\n', "line 2 is not valid JSON"),
+    ("bench", '{"prompt": "a"}\n', 'object 1 has no non-empty "turns" list'),
 ])
-def test_bad_prompts_file(tmp_path, capsys, content, match):
+def test_bad_prompts_file(tmp_path, capsys, command, content, match):
+    """generate's and bench's --prompts files: one message naming the file and the line or object."""
     path = tmp_path / "p.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    err = _error(capsys, ["generate", "--prompts", str(path)])
+    extra = ["--workload", "mbpp", "--out", str(tmp_path / "o"), "--quiet"] if command == "bench" else []
+    err = _error(capsys, [command, "--prompts", str(path), *extra])
     assert match in err and f"--prompts {path}" in err
 
 
