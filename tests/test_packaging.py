@@ -41,13 +41,27 @@ def test_test_extras_resolve_together_on_pypi():
     assert "3.7.1" in triton.specifier and "3.8.0" in triton.specifier  # 3.8.0: the gfx950 report's best match
 
 
+def _sources():
+    """The repository's docs, code and notebooks (not installs or caches inside the checkout)."""
+    skip = {".git", ".venv", "build", "dist", "__pycache__", ".pytest_cache", "node_modules"}
+    for path in sorted(ROOT.rglob("*")):
+        rel = path.relative_to(ROOT)
+        if path.suffix in (".md", ".py", ".ipynb") and not skip & set(rel.parts) and \
+                not rel.parts[0].endswith(".egg-info") and path != Path(__file__).resolve():
+            yield rel, path.read_text(errors="replace")
+
+
 def test_docs_refer_only_to_files_in_the_repository():
-    for doc in DOCS:
-        text = (ROOT / doc).read_text()
+    names = {p.name for p in ROOT.rglob("*.md") if ".git" not in p.parts}
+    seen = set()
+    for rel, text in _sources():
+        seen.add(str(rel))
         for ref in re.findall(r"[\w./-]+\.md\b", text):
-            name = ref.split("/")[-1]
-            assert any(p.name == name for p in ROOT.rglob(name) if ".git" not in p.parts), f"{doc}: {ref}"
-        assert not re.search(r"\b(shared|reference)/|\.\./", text), doc
+            assert ref.split("/")[-1] in names, f"{rel}: refers to {ref}, which the repository does not hold"
+        assert not re.search(r"\b(shared|reference)/[\w.-]+\.md", text), f"{rel}: refers outside the repository"
+        if rel.suffix == ".md":
+            assert "../" not in text, f"{rel}: a link out of the repository"
+    assert set(DOCS) <= seen
 
 
 def _without_torch(code: str) -> subprocess.CompletedProcess:

@@ -112,7 +112,7 @@ def add_commands(sub) -> None:
     _loop_args(p, steps=120, lr=3e-3, batch=8)
     p.set_defaults(func=cmd_target)
 
-    p = sub.add_parser("train-drafter", help="train a DFlash drafter on a frozen target (dflash.md §6)")
+    p = sub.add_parser("train-drafter", help="train a DFlash drafter on a frozen target (the DFlash paper's recipe)")
     _data_args(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, default=2)

@@ -40,7 +40,7 @@ from dflash_jax.speculative import generate
 from dflash_jax.target import Target, forward
 from dflash_jax.train import loop
 
-# Decay of the loss weights over block offsets, by block size (dflash.md §6: 7 for 16, 5 for 10, 4 for 8).
+# Decay of the loss weights over block offsets, by block size (the DFlash paper: 7 for 16, 5 for 10, 4 for 8).
 GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
