@@ -157,8 +157,9 @@ def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | Non
             _fsync(path.parent)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            lock_file.unlink(missing_ok=True)  # a writer that opened it already still excludes nobody
-            # wrongly: the exchange above is atomic, so racing writers end with one whole copy
+            # Removed while still held. A writer that opened it just before may then lock the removed
+            # file while a third locks a new one; both still end with one whole copy (the swap is atomic).
+            lock_file.unlink(missing_ok=True)
 
 
 def _sha256(file: Path) -> str:
