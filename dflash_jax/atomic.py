@@ -188,8 +188,8 @@ def verify_manifest(root: str | Path, what: str = "directory") -> None:
     try:
         listed = json.loads((root / MANIFEST).read_text())["files"]
     except FileNotFoundError:
-        raise IntegrityError(f"incomplete {what} at {root}: no {MANIFEST} (the write did not finish; "
-                             "write it again)") from None
+        raise IntegrityError(f"incomplete {what} at {root}: no {MANIFEST} (the write did not finish, or a "
+                             "dflash_jax without manifests wrote it; write it again)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"{root / MANIFEST}: unreadable manifest ({e})") from e
     for rel, want in listed.items():
