@@ -225,8 +225,10 @@ def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, blo
     DFlash step's at ``batch * block`` rows and its bytes (``measure_machine`` caches both).
     """
     plain = measured_step_seconds(target, None, block=1, batch=batch, context=context, dtype=dtype)
-    return tau * plain / measured_step_seconds(target, drafter, block=block, batch=batch, context=context,
-                                               dtype=dtype)
+    spec = measured_step_seconds(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
+    # A step over a block reads every byte and does every FLOP of a one-token step: never cheaper,
+    # whatever the rates measured at the two shapes (a busy machine can skew them) would say.
+    return tau * plain / max(spec, plain)
 
 
 def measured_step_seconds(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,

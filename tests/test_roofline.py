@@ -115,3 +115,27 @@ def test_measure_machine_is_cached_and_sane():
     assert 1e8 < m.matmul_flops_per_s < 1e16 and 1e8 < m.bytes_per_s < 1e14
     c = roofline.measured_ceiling(HYBRID, DRAFT, block=4, tau=3.0, context=10)
     assert 0 < c and math.isfinite(c)
+
+
+HAND_DRAFT = DrafterConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, intermediate_size=128, vocab_size=256, block_size=4, mask_token_id=1,
+                           target_layer_ids=(0,), num_target_layers=2)
+
+
+def test_measured_ceiling_on_hand_counted_flops(monkeypatch):
+    """What the CLI prints: tau x plain step time / DFlash step time at this machine's rates. On a
+    compute-bound machine (1 GFLOP/s, unbounded bandwidth) that is tau x a ratio of hand-counted FLOPs."""
+    monkeypatch.setattr(roofline, "measure_machine", lambda *a, **k: roofline.Machine(1e9, 1e30))
+    plain = 2 * (2 * 40960 + 64 * 256) + 2 * 2 * 2 * (2 * 32 * 11)  # test_hand_counted_decode_step at context 10
+    # verify of 4 tokens: 2 layers' weights + attention over 14 keys + tied head on 4 rows
+    verify = 2 * 4 * 2 * 40960 + 2 * 2 * 2 * (4 * 2 * 32 * 14) + 2 * 4 * 64 * 256
+    # drafter: fc over the tap, context K/V, q/k/v, o, attention over 14 keys, MLP, the target's head on 3 rows
+    draft = (2 * 4 * 64 * 64 + 2 * 4 * 64 * 64 + 2 * 4 * 64 * 128 + 2 * 4 * 64 * 64 + 2 * 2 * (4 * 2 * 32 * 14)
+             + 2 * 4 * 64 * 384 + 2 * 3 * 64 * 256)
+    assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).flops == verify + draft
+    got = roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10)
+    assert got == pytest.approx(3.0 * plain / (verify + draft))  # 0.63x: the block costs 4.7 plain steps
+    # rates measured at the block's shape far above the one-token shape's cannot make a block cheaper
+    monkeypatch.setattr(roofline, "measure_machine",
+                        lambda dtype, rows, working_set_bytes: roofline.Machine(1e9 * rows ** 3, 1e30))
+    assert roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10) == pytest.approx(3.0)
