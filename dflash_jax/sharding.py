@@ -1,21 +1,27 @@
 """Where every array lives on a device mesh: one table of logical axes, mapped onto mesh axes.
 
 Sits beside the parameter trees (``target.py``, ``drafter.py``) and under the loop: loading places
-each tensor on its shards with ``param_shardings``, and the loop pins its state (caches, proposer
-state, per-row arrays) with ``constrain_state``; inside jit, XLA's SPMD partitioner (GSPMD) splits
-the computation to match. Nothing here is specific to one device count: a 1x1x1 mesh is the
-single-device case.
+each tensor on its shards with ``param_shardings``, and the loop (``SpeculativeLoop(mesh=...)``)
+traces its phases under the mesh (``mesh_context``) and pins its state (caches, proposer state,
+per-row arrays) to ``state_shardings`` after init and every step (``pin_state``); inside jit, XLA's
+SPMD partitioner (GSPMD) splits the dense computation to match. The routed MoE experts are the one
+explicit ``shard_map`` (``over_experts``). Nothing here is specific to one device count: without a
+mesh (or on a 1x1x1 one) the code is the single-device code.
 
 The mesh has three axes (``AXES``): ``data`` splits batch rows (data parallel), ``model`` splits
 heads, MLP width and vocabulary (tensor parallel, Megatron style: column-parallel in-projections,
-row-parallel out-projections, so each layer costs one all-reduce of its [B, T, D] output), and
-``expert`` splits the routed experts. Logical axes (``RULES``) name what a tensor dimension is;
-``PARAMS`` and ``CACHES`` give every parameter and cache field its logical axes, once.
+row-parallel out-projections, so each layer costs one all-reduce of its [B, T, D] output; the
+vocab-parallel LM head's argmax reduces per-shard (max, index) pairs, never the logits), and
+``expert`` splits the routed experts together with ``model``. Logical axes (``RULES``) name what a
+tensor dimension is; ``PARAMS`` and ``CACHES`` give every parameter and cache field its logical axes, once.
 
-A logical axis is sharded only when the mesh axis divides its unit count (heads, not head x
+A logical axis is sharded only when the mesh axes divide its unit count (heads, not head x
 head_dim channels), else it is replicated and ``Layout.replicated`` says so. For Qwen3.5-27B at
 TP=8: 24 query heads, 48 GDN value heads and 16 GDN key heads shard; its 4 KV heads do not, so
 k_proj/v_proj and the attention K/V caches are replicated on every model shard.
+
+Several processes (hosts): ``mesh_from_args`` joins them with ``jax.distributed.initialize`` from
+the CLI's flags or the environment JAX documents, and ``host`` gathers rows spread over processes.
 """
 
 from __future__ import annotations

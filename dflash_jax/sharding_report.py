@@ -4,7 +4,8 @@ Sits on top of ``sharding.py`` and ``synthetic.py``: it builds the abstract Qwen
 and its DFlash drafter (``synthetic.REAL_SHAPES``), places their shapes on a (data, model, expert)
 mesh by ``sharding``'s tables, lowers and compiles ``SpeculativeLoop.step`` (draft, verify, accept,
 commit: the body of the on-device loop) for that mesh, and counts the collectives in the compiled
-HLO (``sharding.collectives``): per op, how many and the bytes each device receives per step.
+HLO (``sharding.collectives``): per op, how many and the bytes each device receives per step; and
+the GiB of parameters and loop state (caches) each device holds.
 Needs as many devices as the mesh; on CPU simulate them::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import sys
 import time
 
@@ -57,6 +59,10 @@ def step_collectives(config: str, *, data: int = 1, model: int = 1, expert: int 
     state = jax.eval_shape(lambda p, t, n: loop.init(p, t, n, 0), params, tokens, lengths)
     if mesh is not None:
         state = _placed(state, sharding.state_shardings(state, batch, *sharding.layouts(mesh, target.cfg, proposer)))
+    held = dict(params_gib=_per_device(params), state_gib=_per_device(state))
+    if mesh is None:  # one device: the program has no collectives to count
+        return dict(config=config, mesh=dict(data=1, model=1, expert=1), batch=batch, block=block, collectives=0,
+                    bytes_per_device=0, by_op={}, largest=None, per_device=held, compile_s=0.0)
     start = time.perf_counter()
     hlo = SpeculativeLoop.step.lower(loop, params, state).compile().as_text()
     found = sharding.collectives(hlo)
@@ -68,7 +74,15 @@ def step_collectives(config: str, *, data: int = 1, model: int = 1, expert: int 
     return dict(config=config, mesh=dict(data=data, model=model, expert=expert), batch=batch, block=block,
                 collectives=len(found), bytes_per_device=sum(c["bytes"] for c in found), by_op=dict(ops),
                 largest=None if biggest is None else {k: biggest[k] for k in ("op", "shapes", "bytes")},
-                compile_s=round(time.perf_counter() - start, 1))
+                per_device=held, compile_s=round(time.perf_counter() - start, 1))
+
+
+def _per_device(tree) -> float:
+    """GiB one device holds of a tree of ShapeDtypeStructs (its shard of each; whole ones without a sharding)."""
+    def one(x):
+        shape = x.shape if getattr(x, "sharding", None) is None else x.sharding.shard_shape(x.shape)
+        return math.prod(shape) * x.dtype.itemsize
+    return round(sum(one(x) for x in jax.tree.leaves(tree)) / 2**30, 3)
 
 
 def _ints(text: str) -> list[int]:

@@ -233,17 +233,19 @@ def worker(cases: list[list], tmp: str) -> dict:
 
 
 def run_worker(cases, tmp_path, timeout: float) -> dict:
+    """Runs the cases in the 8-device subprocess; its progress (one line per case) goes to worker.log."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
-    try:
-        proc = subprocess.run([sys.executable, __file__, json.dumps(cases), str(tmp_path)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-        pytest.fail(f"the 8-device worker did not finish {len(cases)} cases in {timeout:.0f} s (a loaded machine, "
-                    f"or a hang); cases done so far:\n{err[-3000:]}")
-    assert proc.returncode == 0, f"the 8-device worker failed:\n{proc.stderr[-4000:]}"
+    log = Path(tmp_path) / "worker.log"
+    with log.open("w") as err:
+        try:
+            proc = subprocess.run([sys.executable, __file__, json.dumps(cases), str(tmp_path)], env=env,
+                                  stdout=subprocess.PIPE, stderr=err, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the 8-device worker did not finish {len(cases)} cases in {timeout:.0f} s (a loaded "
+                        f"machine, or a hang); {log}:\n{log.read_text()[-3000:]}")
+    assert proc.returncode == 0, f"the 8-device worker failed ({log}):\n{log.read_text()[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
