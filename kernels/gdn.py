@@ -53,7 +53,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.scipy.linalg import solve_triangular
 
 from dflash_jax.kernels import dispatch
 from dflash_jax.kernels.common import KernelCase, triton_params
@@ -110,6 +109,37 @@ def gdn_recurrent_reference(q, k, v, g, beta, state):
     return _scan_tokens(q, k, v, g, beta, state, want_outputs=True)
 
 
+def _unit_lower_inverse_xla(a):
+    """(I + a)^-1 for strictly lower a [..., C, C], in batched XLA matmuls: no LAPACK call.
+
+    Doubling the inverted diagonal blocks: from blocks X11, X22 of size b (the inverses of the
+    diagonal blocks T11, T22 of I + a), the block of size 2b is [[X11, 0], [-X22 T21 X11, X22]].
+    Every intermediate is a block of the final inverse, so the rounding stays at forward
+    substitution's level (the Neumann product (I - a)(I + a^2)(I + a^4)... is exact only in exact
+    arithmetic: its powers grow like binomials and cancel, ~1e9 relative error in f32 on a chunk of
+    repeated tokens). log2(C) levels, ~C^3/3 MACs per matrix; C is padded to a power of two.
+
+    Why not ``jax.scipy.linalg.solve_triangular``: jaxlib 0.10.2's CPU kernel (lapack_strsm_ffi)
+    fans the batch out onto the intra-op thread pool and blocks on it, so several simulated CPU
+    devices (--xla_force_host_platform_device_count) reaching it together hang the process, and
+    on a busy CPU it was 30-200x slower than this.
+    """
+    *lead, C, _ = a.shape
+    P = 1 << max(C - 1, 0).bit_length()
+    a = jnp.pad(a, [(0, 0)] * len(lead) + [(0, P - C)] * 2)  # I + 0 beyond C: the inverse is unchanged
+    mm = functools.partial(jnp.matmul, precision=HIGHEST)
+    inv, b = jnp.ones((*lead, P, 1, 1), a.dtype), 1  # [..., P/b, b, b]: the inverted diagonal blocks
+    while b < P:
+        n = P // (2 * b)
+        pairs = jnp.diagonal(a.reshape(*lead, n, 2 * b, n, 2 * b), axis1=-4, axis2=-2)  # [..., 2b, 2b, n]
+        t21 = jnp.moveaxis(pairs, -1, -3)[..., b:, :b]  # [..., n, b, b]
+        x11, x22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        inv = jnp.concatenate([jnp.concatenate([x11, jnp.zeros_like(x11)], -1),
+                               jnp.concatenate([-mm(x22, mm(t21, x11)), x22], -1)], -2)
+        b *= 2
+    return inv.reshape(*lead, P, P)[..., :C, :C]
+
+
 def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
     """Chunked (WY/UT) form of the same recurrence, for long inputs; same contract as the recurrence."""
     B, T, _, Dk = k.shape
@@ -132,8 +162,7 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
     gamma = jnp.exp(jnp.where(lower_incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))
     kk = jnp.einsum("bhnid,bhnjd->bhnij", k, k, precision=HIGHEST)
     strict = beta[..., :, None] * kk * gamma * (i[:, None] > i[None, :])
-    tri = solve_triangular(strict + jnp.eye(chunk), jnp.broadcast_to(jnp.eye(chunk), strict.shape),
-                           lower=True, unit_diagonal=True)
+    tri = _unit_lower_inverse_xla(strict)  # (I + A)^-1 [B, H, Nc, C, C]
     u = jnp.einsum("bhnij,bhnjd->bhnid", tri, beta[..., None] * v, precision=HIGHEST)
     w = jnp.einsum("bhnij,bhnjd->bhnid", tri, (beta * jnp.exp(gc))[..., None] * k, precision=HIGHEST)
     qk = jnp.einsum("bhnid,bhnjd->bhnij", q, k, precision=HIGHEST) * gamma
