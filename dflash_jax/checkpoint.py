@@ -340,10 +340,11 @@ def save_params(path, params) -> None:
         atomic.write_manifest(tmp)
 
 
-def verify(path, what: str) -> None:
-    """``atomic.verify_manifest`` as a ``CheckpointError``."""
+def verify(path, what: str, *, checksums: bool = False) -> None:
+    """``atomic.verify_manifest`` as a ``CheckpointError``: every file there with its size (done before each
+    load) and, with ``checksums``, its SHA-256 (a full read of the data)."""
     try:
-        atomic.verify_manifest(path, what)
+        atomic.verify_manifest(path, what, checksums=checksums)
     except atomic.IntegrityError as e:
         raise CheckpointError(str(e)) from None
 

@@ -111,12 +111,16 @@ def test_manifest_catches_flips_missing_files_and_an_unfinished_write(tmp_path):
     with pytest.raises(atomic.IntegrityError, match=f"incomplete thing at {d}: no {atomic.MANIFEST}"):
         atomic.verify_manifest(d, "thing")
     atomic.write_manifest(d)
-    atomic.verify_manifest(d, "thing")
+    atomic.verify_manifest(d, "thing", checksums=True)
     assert set(json.loads((d / atomic.MANIFEST).read_text())["files"]) == {"x.bin", "sub/y.json"}
     raw = bytearray((d / "x.bin").read_bytes())
     raw[100] ^= 1
     (d / "x.bin").write_bytes(bytes(raw))
+    atomic.verify_manifest(d, "thing")  # the sizes (checked before every load) still agree
     with pytest.raises(atomic.IntegrityError, match="corrupt thing .*x.bin does not match its checksum"):
+        atomic.verify_manifest(d, "thing", checksums=True)
+    (d / "x.bin").write_bytes(bytes(raw[:-1]))
+    with pytest.raises(atomic.IntegrityError, match="corrupt thing .*x.bin has 255 bytes, its manifest says 256"):
         atomic.verify_manifest(d, "thing")
     (d / "x.bin").unlink()
     with pytest.raises(atomic.IntegrityError, match="x.bin is missing"):

@@ -428,8 +428,12 @@ def test_orbax_save_is_atomic_and_verified(tmp_path, monkeypatch):
     np.testing.assert_array_equal(restore_params(tmp_path / "step_1", abstract)["w"], params["w"])
     victim = max((p for p in (tmp_path / "step_1").rglob("*") if p.is_file() and p.name != atomic.MANIFEST),
                  key=lambda p: p.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[:-1] + bytes([victim.read_bytes()[-1] ^ 0xFF]))
+    raw = victim.read_bytes()
+    victim.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
     with pytest.raises(CheckpointError, match="corrupt checkpoint .* does not match its checksum"):
+        checkpoint.verify(tmp_path / "step_1", "checkpoint", checksums=True)
+    victim.write_bytes(raw[:-1])  # a short file is caught before every restore
+    with pytest.raises(CheckpointError, match=f"corrupt checkpoint .* has {len(raw) - 1} bytes"):
         restore_params(tmp_path / "step_1", abstract)
 
 
@@ -461,6 +465,9 @@ def test_converted_copy_is_atomic_and_checksummed(hf_dense, tmp_path, monkeypatc
     raw[len(raw) // 2] ^= 0x10
     victim.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match=f"corrupt conversion at {out}: .* does not match its checksum"):
+        ck.verify(out, "conversion", checksums=True)
+    victim.write_bytes(bytes(raw[:-1]))  # sizes are checked before every load
+    with pytest.raises(CheckpointError, match=f"corrupt conversion at {out}: .* has {len(raw) - 1} bytes"):
         load_target(out, progress=False)
     (out / atomic.MANIFEST).unlink()  # what a copy whose write never finished looks like
     with pytest.raises(CheckpointError, match=f"incomplete conversion at {out}"):
