@@ -31,7 +31,10 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
         pytest.skip(f"no shipped models in {ASSETS} (python -m dflash_jax.train.ship writes them)")
     nb = nbformat.read(path, as_version=4)
     monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits it: figures render without a display
+    # Two minutes on a quiet CPU; a machine whose load average exceeds its cores grants proportionally more.
+    limit = 120 * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
     start = time.perf_counter()
-    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+    nbclient.NotebookClient(nb, timeout=max(300, int(2 * limit)), kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
-    assert time.perf_counter() - start < 120, f"{path.name} must run in under 2 minutes on CPU"
+    took = time.perf_counter() - start
+    assert took < limit, f"{path.name} took {took:.0f} s: it must run in under 2 minutes on a quiet CPU"
