@@ -184,36 +184,10 @@ def _load(kind, mesh_shape, tmp: Path):
     return {"problems": problems, "sharded": sharded}
 
 
-def _unit_lower_solve(a, b, *, lower: bool, unit_diagonal: bool):
-    """``solve_triangular`` for a unit lower-triangular ``a`` = I + L, in plain XLA ops: (I + L)^-1 is
-    the finite series sum_k (-L)^k = (I - L)(I + L^2)(I + L^4)..., L being nilpotent.
-
-    Why: jaxlib 0.10.2's CPU LAPACK kernels fan a batch out onto the intra-op thread pool and block on
-    it (jaxlib/cpu/lapack_kernels.cc, ParallelBatchMap); when the 8 simulated devices reach the Gated
-    DeltaNet prefill's triangular solve together, every pool thread blocks and the run hangs. One device
-    (the rest of the suite, real accelerators) never meets this. The worker swaps this in for the
-    reference kernel's solve, on the sharded and the single-device run alike.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    assert lower and unit_diagonal
-    n = a.shape[-1]
-    m = -jnp.tril(a, -1)
-    total, power = jnp.eye(n, dtype=a.dtype) + m, m
-    for _ in range(max(0, (n - 1).bit_length() - 1)):
-        power = jnp.matmul(power, power, precision=jax.lax.Precision.HIGHEST)
-        total = total + jnp.matmul(total, power, precision=jax.lax.Precision.HIGHEST)
-    return jnp.matmul(total, b, precision=jax.lax.Precision.HIGHEST)
-
-
 def worker(cases: list[list], tmp: str) -> dict:
     import jax
 
-    from dflash_jax.kernels import gdn
-
     assert jax.device_count() == 8, jax.devices()
-    gdn.solve_triangular = _unit_lower_solve
     models, refs, results = {}, {}, {}
     for case in cases:
         start = time.perf_counter()

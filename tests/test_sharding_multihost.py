@@ -28,11 +28,10 @@ def worker(pid: int, port: int) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import jax.numpy as jnp
-    from test_sharding import DENSE, _unit_lower_solve
+    from test_sharding import DENSE
 
     from dflash_jax import sharding
     from dflash_jax.config import TargetConfig
-    from dflash_jax.kernels import gdn
     from dflash_jax.speculative import generate
     from dflash_jax.target import init_target
 
@@ -40,7 +39,6 @@ def worker(pid: int, port: int) -> None:
                               distributed=False, coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                               process_id=pid)
     mesh = sharding.mesh_from_args(args)
-    gdn.solve_triangular = _unit_lower_solve  # jaxlib 0.10.2's CPU LAPACK hang on concurrent devices (test_sharding)
     target = init_target(TargetConfig.from_hf(DENSE), dtype=jnp.float32)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
     kw = dict(max_new_tokens=6, stop_ids=())
