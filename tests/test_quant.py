@@ -135,9 +135,10 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
+@pytest.fixture(scope="module", params=["dense", pytest.param("moe", marks=pytest.mark.slow)])
 def pair(request):
-    """(kind, f32 target, the same target with MXFP4 projections)."""
+    """(kind, f32 target, the same target with MXFP4 projections). The MoE model tests are slow (compiles);
+    the MoE checkpoint layout is covered fast by the Quark-layout tests below."""
     target = init_target(CONFIGS[request.param], dtype=jnp.float32, mtp=True, seed=3)
     return request.param, target, quant.convert(target, True)
 
