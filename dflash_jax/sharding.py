@@ -273,13 +273,15 @@ def shard_params(params, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
             jax.device_put(pparams, param_shardings(pparams, draft or target)))
 
 
-def pin_state(state, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
-    """Inside the loop's jitted phases: the loop state constrained to ``state_shardings`` (no-op without a
-    mesh), so the caches keep one layout across steps and the partitioner never gathers them."""
+def pin_state(state, batch: int, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
+    """Inside the loop's jitted phases: a loop state (or a proposer's state) of ``batch`` rows constrained
+    to ``state_shardings`` (no-op without a mesh), so the caches keep one layout across steps and phases
+    and the partitioner never gathers them (left alone, it lays out replicated KV heads like the
+    head-sharded queries, then gathers the cache back)."""
     if mesh is None:
         return state
     target, draft = layouts(mesh, cfg, proposer)
-    return constrain_state(state, state.anchor.shape[0], target, draft)
+    return constrain_state(state, batch, target, draft)
 
 
 def over_experts(routed, x: jax.Array, experts, router) -> jax.Array:

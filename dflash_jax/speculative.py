@@ -56,7 +56,8 @@ class SpecConfig:
 
     block_size: tokens verified per target step (anchor + block_size - 1 drafts); 1 = no drafts.
     max_new_tokens: most tokens emitted per row (never exceeded).
-    stop_ids: tokens that end a row (emitted, then the row stops); default: the target's EOS ids.
+    stop_ids: tokens that end a row (emitted, then the row stops), any ints (kept as a tuple);
+      default: the target's EOS ids.
     capacity: target cache length; None sizes it to prompt bucket + max_new_tokens + block_size.
     """
 
@@ -71,6 +72,16 @@ class SpecConfig:
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.stop_ids is not None:  # any iterable of integers (numpy's too) -> a hashable tuple of ints
+            stop = (self.stop_ids,) if isinstance(self.stop_ids, numbers.Integral) else self.stop_ids
+            try:
+                stop = tuple(stop)
+            except TypeError:
+                raise ValueError(f"stop_ids must be integer token ids, got {self.stop_ids!r}") from None
+            bad = [t for t in stop if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0]
+            if bad:
+                raise ValueError(f"stop_ids must be token ids (integers >= 0), got {bad[0]!r} in {self.stop_ids!r}")
+            object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
 
 
 @jax.tree_util.register_dataclass
@@ -203,6 +214,10 @@ class SpeculativeLoop:
             raise ValueError(f"block_size {block} needs a drafter (no proposer was given)")
         if block > self.proposer.max_block:
             raise ValueError(f"block_size {block} exceeds the proposer's block size {self.proposer.max_block}")
+        outside = [t for t in self.spec.stop_ids or () if t >= self.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"stop_ids: token id {outside[0]} is outside the target's vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
         if self.spec.sampling.top_k > self.cfg.vocab_size:
             raise ValueError(f"top_k {self.spec.sampling.top_k} exceeds the target's vocabulary of "
                              f"{self.cfg.vocab_size}")
@@ -279,9 +294,11 @@ class SpeculativeLoop:
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
             accepted=jnp.zeros((B, block), jnp.int32)))
 
-    def _pin(self, state: LoopState) -> LoopState:
-        """The state in its mesh layout (no-op without a mesh), so no step gathers a cache."""
-        return sharding.pin_state(state, self.mesh, self.cfg, self.proposer)
+    def _pin(self, state, batch: int | None = None):
+        """A loop state (or a proposer's state of ``batch`` rows) in its mesh layout (no-op without a mesh),
+        so no step gathers a cache."""
+        batch = state.anchor.shape[0] if batch is None else batch
+        return sharding.pin_state(state, batch, self.mesh, self.cfg, self.proposer)
 
     @_phase()
     def draft(self, params, state: LoopState) -> Draft:
@@ -291,14 +308,14 @@ class SpeculativeLoop:
         tokens, q, pstate = self.proposer.propose(
             params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
             k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
-        return Draft(tokens=tokens, q=q, proposer=pstate, accept_keys=keys[:, 1])
+        return Draft(tokens=tokens, q=q, proposer=self._pin(pstate, tokens.shape[0]), accept_keys=keys[:, 1])
 
     @_phase()
     def check(self, params, state: LoopState, draft: Draft) -> Verified:
         """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
         block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1]
         out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps)
-        return Verified(out=out, cache=cache)
+        return Verified(out=out, cache=self._pin(cache, block.shape[0]))
 
     @_phase()
     def settle(self, params, state: LoopState, draft: Draft, verified: Verified) -> LoopState:

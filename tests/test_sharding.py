@@ -123,13 +123,15 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
 
 def gathered(hlo: str, params, state, state_sh) -> list[str]:
     """All-gathers in ``hlo`` that rebuild a sharded weight or cache (whole, or along any of its sharded
-    axes) or logits (any array with a vocabulary-sized dimension)."""
+    axes) or logits (any array with a vocabulary-sized dimension), and, in the decode steps (not the
+    prefill, which runs once), a whole replicated cache: the partitioner split it and gathers it back."""
     import jax
 
     from dflash_jax import sharding
 
     leaves = [(x.shape, x.sharding) for x in jax.tree.leaves(params)]
     leaves += [(x.shape, s) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh), strict=True)]
+    per_step = {tuple(x.shape) for x in jax.tree.leaves(state) if x.ndim >= 3}  # caches [B, S | Hv | K-1, ...]
     banned = set()
     for shape, s in leaves:
         if s.is_fully_replicated:
@@ -141,7 +143,9 @@ def gathered(hlo: str, params, state, state_sh) -> list[str]:
                 banned.add(tuple(shape[i] if i in dims else local[i] for i in range(len(shape))))
     bad = []
     for c in sharding.collectives(hlo):
-        if c["op"] == "all-gather" and any(s in banned or VOCAB in s for s in c["shapes"]):
+        in_step = "jit(init)" not in c["name"]
+        if c["op"] == "all-gather" and any(s in banned or VOCAB in s or (in_step and s in per_step)
+                                           for s in c["shapes"]):
             bad.append(f"{c['shapes']} {c['name']}")
     return bad
 
