@@ -396,3 +396,22 @@ def test_batch_row_equals_the_prompt_run_alone():
     batch = fn((target.params, ()), *pad_prompts(prompts, 8), keys)
     alone = fn((target.params, ()), *pad_prompts(prompts[1:2], 8), keys[1:2])
     assert batch.token_lists()[1] == alone.token_lists()[0]
+
+
+# ---- review fixes: argument normalisation, donation, streaming copies ----
+
+
+def test_stop_ids_are_normalised_to_a_tuple_of_ints():
+    for given_ids in ([1, 2], np.array([1, 2]), (np.int64(1), np.int32(2)), range(1, 3)):
+        spec = SpecConfig(block_size=1, stop_ids=given_ids)
+        assert spec.stop_ids == (1, 2) and all(type(t) is int for t in spec.stop_ids)
+        hash(spec)
+    assert SpecConfig(stop_ids=5).stop_ids == (5,) and SpecConfig(stop_ids=[]).stop_ids == ()
+    for bad in ([1.5], ["a"], [True], [-1], 2.0):
+        with pytest.raises(ValueError, match="stop_ids must be"):
+            SpecConfig(stop_ids=bad)
+    target = _tiny_vocab_target()
+    out = generate(target, [[1, 2, 3]], max_new_tokens=4, stop_ids=[V - 1, 0])
+    assert len(out.token_lists()[0]) >= 1
+    with pytest.raises(ValueError, match=f"stop_ids: token id {V} is outside the target's vocabulary \\[0, {V}\\)"):
+        generate(target, [[1, 2, 3]], max_new_tokens=4, stop_ids=[1, V])
