@@ -163,7 +163,7 @@ def timed_run(loop, params, tokens, lengths, rng, clock=time.perf_counter):
     t0 = clock()
     state = jax.block_until_ready(loop.init(params, tokens, lengths, rng))
     t1 = clock()
-    out = jax.block_until_ready(loop.decode(params, state))
+    out = jax.block_until_ready(loop.decode(params, state)[0])
     return out, t1 - t0, clock() - t1
 
 

@@ -197,8 +197,9 @@ class SpeculativeLoop:
     - ``draft(params, state) -> Draft``; ``check(params, state, draft) -> Verified``;
       ``settle(params, state, draft, verified) -> LoopState`` (accept, emit, commit).
     - ``step(params, state)``: the three in one program, the state donated.
-    - ``decode(params, state) -> GenerateOutput``: steps in a ``lax.while_loop`` until every row has
-      finished (state donated); ``output(state)``: the output of a state; ``run``: init + decode.
+    - ``decode(params, state) -> (GenerateOutput, final LoopState)``: steps in a ``lax.while_loop``
+      until every row has finished (state donated, aliased to the final state); ``output(state)``: the
+      output of a state; ``run``: init + decode's output.
     """
 
     cfg: TargetConfig
@@ -356,11 +357,14 @@ class SpeculativeLoop:
         return self.settle(params, state, draft, self.check(params, state, draft))
 
     @_phase(donate_argnames="state")
-    def decode(self, params, state: LoopState) -> GenerateOutput:
-        """Steps until every row has finished, on device, then the output."""
+    def decode(self, params, state: LoopState) -> tuple[GenerateOutput, LoopState]:
+        """Steps until every row has finished, on device: (the output, the final state).
+
+        The final state is returned so that the donated state's buffers alias it: the loop updates
+        the caches in place instead of copying them at entry."""
         state = jax.lax.while_loop(lambda s: jnp.any(s.finish == FinishReason.RUNNING),
                                    functools.partial(self.step, params), state)
-        return self.output(state)
+        return self.output(state), state
 
     @_phase()
     def output(self, state: LoopState) -> GenerateOutput:
@@ -372,7 +376,7 @@ class SpeculativeLoop:
     @_phase()
     def run(self, params, prompts, prompt_lens, rng) -> GenerateOutput:
         """The whole generation: init, then decode."""
-        return self.decode(params, self.init(params, prompts, prompt_lens, rng))
+        return self.decode(params, self.init(params, prompts, prompt_lens, rng))[0]
 
 
 def _check_prompt_lens(prompts, prompt_lens) -> None:

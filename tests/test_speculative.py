@@ -415,3 +415,20 @@ def test_stop_ids_are_normalised_to_a_tuple_of_ints():
     assert len(out.token_lists()[0]) >= 1
     with pytest.raises(ValueError, match=f"stop_ids: token id {V} is outside the target's vocabulary \\[0, {V}\\)"):
         generate(target, [[1, 2, 3]], max_new_tokens=4, stop_ids=[1, V])
+
+
+def test_decode_donates_the_state_into_its_final_state():
+    """decode's donated state aliases its returned final state: no "donated buffers were not usable"
+    warning, the caches are updated in place (input_output_alias), the input state's buffers are gone."""
+    target = _tiny_vocab_target()
+    loop = gen.SpeculativeLoop.of(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=4, stop_ids=()))
+    params, (tokens, lengths) = (target.params, ()), pad_prompts([[1, 2, 3], [4]], 8)
+    state = loop.init(params, tokens, lengths, 0)
+    hlo = gen.SpeculativeLoop.decode.lower(loop, params, state).compile().as_text()
+    assert "input_output_alias" in hlo
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, final = loop.decode(params, state)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.cache))
+    assert out.token_lists() == loop.run(params, tokens, lengths, 0).token_lists()
+    assert isinstance(final, gen.LoopState) and (np.asarray(final.n_out) == 4).all()
