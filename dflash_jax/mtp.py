@@ -72,16 +72,18 @@ class MTPProposer:
     """Drafts with the target's MTP head; ``num_steps`` (vLLM's num_speculative_tokens) is k at most.
 
     Its params are the head's weights, the target's ``mtp`` subtree: pass
-    ``(MTPProposer(target.cfg, k, kernels=target.kernels), target.params["mtp"])`` where a drafter
-    goes (``mtp_params`` says why a target has none). ``init`` needs the prompt tokens, which the entries pair with.
+    ``(MTPProposer.of(target, k), mtp_params(target))`` where a drafter goes (``mtp_params`` says why
+    a target has none). ``of`` takes the head's graph from the target, so its kernel mode (``with_kernels``)
+    and layout follow the target's; built from a bare cfg the head runs in ``kernels`` (None: the default
+    mode). ``init`` needs the prompt tokens, which the entries pair with.
     """
 
     cfg: TargetConfig
     num_steps: int
     taps: tuple[int, ...] = ()
-    kernels: str | None = None  # the head's attention kernel mode (None: ``kernels.default_mode()``)
-    # The head's graph, derived from cfg and kernels (so equal settings give equal, hashable proposers).
-    graphdef: nnx.GraphDef = dataclasses.field(init=False, repr=False, compare=False)
+    kernels: str | None = None  # the head's attention kernel mode when graphdef is not given
+    # The head's graph (hashable: equal heads give equal proposers); None: built from cfg and kernels.
+    graphdef: nnx.GraphDef | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         if self.cfg.mtp_num_hidden_layers != 1:
@@ -90,8 +92,16 @@ class MTPProposer:
         if not 1 <= self.num_steps <= 15:
             raise ValueError(f"num_steps must be in 1..15, got {self.num_steps}")
         object.__setattr__(self, "kernels", kernel_modes.resolve(self.kernels))
-        head = nnx.eval_shape(lambda: MTP(self.cfg, dtype=jnp.float32, kernels=self.kernels, rngs=nnx.Rngs(0)))
-        object.__setattr__(self, "graphdef", nnx.graphdef(head))
+        if self.graphdef is None:
+            head = nnx.eval_shape(lambda: MTP(self.cfg, dtype=jnp.float32, kernels=self.kernels, rngs=nnx.Rngs(0)))
+            object.__setattr__(self, "graphdef", nnx.graphdef(head))
+
+    @classmethod
+    def of(cls, target: Target, num_steps: int, taps: tuple[int, ...] = ()) -> MTPProposer:
+        """The proposer of a target's own MTP head: its graph (kernel mode, dtype, quantized layout) is the target's."""
+        mtp_params(target)  # a clear error when the target has no head
+        return cls(target.cfg, num_steps, taps, kernels=target.kernels,
+                   graphdef=nnx.graphdef(target.module().mtp))
 
     @property
     def max_block(self) -> int:

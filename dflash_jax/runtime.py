@@ -163,7 +163,7 @@ def proposer_for(method: Method, target, drafter):
         return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
     from dflash_jax.mtp import MTPProposer, mtp_params
 
-    return MTPProposer(target.cfg, method.block - 1), mtp_params(target)
+    return MTPProposer.of(target, method.block - 1), mtp_params(target)
 
 
 def read_jsonl(path: str, flag: str) -> list[dict]:

@@ -465,7 +465,7 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
 
     ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
-    ``(MTPProposer(cfg, k), mtp_params(target))``); block size 1 drops it.
+    ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it.
     """
     if drafter is None:
         proposer, pparams = NoProposer(), ()

@@ -284,3 +284,29 @@ def test_checkpoint_with_mtp_head_loads(checkpoints, kind):
         np.testing.assert_array_equal(loaded[key], a, err_msg=key)
     without = load_target(path, dtype=jnp.float32, mtp=False, progress=False)
     assert without.module().mtp is None and "mtp" not in without.params
+
+
+def test_proposer_of_a_target_follows_its_kernel_mode():
+    """MTPProposer.of takes the head's graph from the target: a target built with (or switched to) a
+    kernel mode drafts in that mode, where a head rebuilt from the bare cfg runs the default one."""
+    from dflash_jax.target import init_target
+
+    cfg = TargetConfig(vocab_size=16, hidden_size=16, num_hidden_layers=2,
+                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24, mtp_num_hidden_layers=1)
+    target = init_target(cfg, mtp=True, kernels="interpret")
+
+    def modes(proposer):
+        head = proposer.head(mtp_params(target))
+        return {m.kernels for _, m in nnx.iter_modules(head) if hasattr(m, "kernels")}
+
+    of = MTPProposer.of(target, 3)
+    assert modes(of) == {"interpret"} and of.kernels == "interpret"
+    assert modes(MTPProposer(cfg, 3, kernels="reference")) == {"reference"}
+    switched = MTPProposer.of(target.with_kernels("reference"), 3)
+    assert modes(switched) == {"reference"}
+    assert switched != of and hash(switched) != hash(of)
+    assert MTPProposer.of(target, 3) == of  # equal heads: equal proposers (one jit cache entry)
+    with pytest.raises(ValueError, match="no MTP head"):
+        MTPProposer.of(init_target(cfg), 3)

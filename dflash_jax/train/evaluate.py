@@ -45,7 +45,7 @@ def acceptance_table(assets: str | Path, *, n_prompts: int = 16, max_new_tokens:
         table["dflash"][block] = float(np.mean(np.asarray(out.tau)))
         print(f"[eval] DFlash block {block}: tau {table['dflash'][block]:.3f}", flush=True)
     for steps in (3, 7, 15):
-        out = generate(target, prompts, drafter=(MTPProposer(target.cfg, steps), mtp_params(target)),
+        out = generate(target, prompts, drafter=(MTPProposer.of(target, steps), mtp_params(target)),
                        block_size=steps + 1, max_new_tokens=max_new_tokens, stop_ids=())
         table["mtp"][steps] = float(np.mean(np.asarray(out.tau)))
         print(f"[eval] MTP {steps} steps: tau {table['mtp'][steps]:.3f}", flush=True)
