@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from dflash_jax import bench, runtime
@@ -252,6 +254,37 @@ def test_random_config_errors(tmp_path, capsys, extra, match):
             "--quiet", *extra]
     assert main(argv) == 2
     assert match in capsys.readouterr().err
+
+
+def test_profile_times_each_phase_warm():
+    """The per-phase split excludes each phase's first (compiling) call and counts the loop's steps."""
+    clock = [0.0]
+
+    class PhaseLoop:
+        calls = {"draft": 0, "check": 0, "settle": 0}
+
+        def _run(self, phase, seconds):
+            self.calls[phase] += 1
+            clock[0] += seconds + (100.0 if self.calls[phase] == 1 else 0.0)  # the first call compiles
+            return phase
+
+        def init(self, params, tokens, lengths, rng):
+            return SimpleNamespace(finish=np.array([0]), left=3)
+
+        def draft(self, params, s):
+            return self._run("draft", 1.0)
+
+        def check(self, params, s, d):
+            return self._run("check", 2.0)
+
+        def settle(self, params, s, d, v):
+            return self._run("settle", 0.5)
+
+        def step(self, params, s):
+            return SimpleNamespace(finish=np.array([0 if s.left > 1 else 1]), left=s.left - 1)
+
+    secs, steps = bench.profile(PhaseLoop(), None, None, None, 0, clock=lambda: clock[0])
+    assert steps == 3 and secs.tolist() == [3.0, 6.0, 1.5]
 
 
 def test_spread():
