@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from dflash_jax import checkpoint
+from dflash_jax import atomic, checkpoint
 from dflash_jax.config import ConfigError, TargetConfig, read_config_json, read_generation_config
 from dflash_jax.kernels import mxfp4
 from dflash_jax.kernels.mxfp4 import BLOCK, SCALE_MODES
@@ -340,16 +340,12 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
     if state is None or set(state["quantized"]) != quantized:
         raise ValueError("save_quark: the target is not quantized per this QuantConfig; pass "
                          "quant.convert(target, True, qcfg)")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.absolute() == source.absolute():
+        raise ValueError(f"save_quark: the output {out} is the source checkpoint; write to another directory")
     raw, _ = read_config_json(source)
     raw["quantization_config"] = qcfg.to_hf(exclude=(*qcfg.exclude, *skipped))
     raw.pop("torch_dtype", None)
     raw["dtype"] = str(jnp.dtype(dtype))
-    (out / "config.json").write_text(json.dumps(raw, indent=2))
-    for f in source.iterdir():
-        if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
-            shutil.copy(f, out / f.name)
-
     tensors = _tensors(target.params, jnp.dtype(dtype))
     shards, size = [[]], 0
     for key, a in tensors.items():
@@ -358,17 +354,23 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
             size = 0
         shards[-1].append(key)
         size += a.nbytes
-    if len(shards) == 1:
-        checkpoint.write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
-        return
-    weight_map = {}
-    for i, keys in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        checkpoint.write_safetensors(out / name, {k: tensors[k] for k in keys}, {"format": "pt"})
-        weight_map.update(dict.fromkeys(keys, name))
-    total = sum(a.nbytes for a in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    # Whole or nothing: an interrupted write leaves the previous ``out`` as it was.
+    with atomic.directory_writer(out, replaces=lambda p: (p / "config.json").is_file(), what="checkpoint") as tmp:
+        (tmp / "config.json").write_text(json.dumps(raw, indent=2))
+        for f in source.iterdir():
+            if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
+                shutil.copy(f, tmp / f.name)
+        if len(shards) == 1:
+            checkpoint.write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
+            return
+        weight_map = {}
+        for i, keys in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            checkpoint.write_safetensors(tmp / name, {k: tensors[k] for k in keys}, {"format": "pt"})
+            weight_map.update(dict.fromkeys(keys, name))
+        total = sum(a.nbytes for a in tensors.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 # ---------------------------------------------------------------------------------------------
