@@ -47,10 +47,10 @@ class Sizes:
     drafter_taps: tuple[int, ...] = (0, 1, 2)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 1200
+    drafter_steps: int = 900
     drafter_lr: float = 2e-3
     mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 1200
+    mtp_steps: int = 900
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
@@ -88,7 +88,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     mine = {"sizes"}  # entries this process wrote; stages may run in parallel processes (--stages drafter / mtp)
 
     def stamp(name: str, t0: float, **values) -> None:
-        stamp(name, t0, **values)
+        _stamp(log, name, t0, **values)
         mine.add(name)
 
     def save_log():  # keeps what other processes wrote meanwhile
