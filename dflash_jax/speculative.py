@@ -141,7 +141,7 @@ class GenerateOutput:
 
     def finish_names(self) -> list[str]:
         """Per-row finish reason names: "stop", "length" or "nonfinite"."""
-        return [FinishReason(int(r)).name.lower() for r in np.asarray(self.finish_reason)]
+        return [FinishReason(int(r)).name.lower() for r in sharding.host(self.finish_reason)]
 
 
 def _row_keys(rng, batch: int) -> jax.Array:
@@ -149,10 +149,15 @@ def _row_keys(rng, batch: int) -> jax.Array:
     rng = jnp.asarray(rng)
     if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         key = rng
-    elif rng.ndim == 0:
+    elif rng.ndim == 0 and jnp.issubdtype(rng.dtype, jnp.integer):
         key = jax.random.key(rng)
-    else:  # raw uint32 key data: [2] or [B, 2]
+    elif rng.dtype == jnp.uint32 and rng.ndim in (1, 2) and rng.shape[-1] == 2:  # raw key data: [2] or [B, 2]
         key = jax.random.wrap_key_data(rng)
+    else:
+        raise ValueError(f"rng must be an int seed, a key, a [B] batch of keys or raw uint32 key data [2] / [B, 2], "
+                         f"got dtype {rng.dtype}, shape {rng.shape}")
+    if key.ndim > 1 or (key.ndim == 1 and key.shape[0] != batch):
+        raise ValueError(f"rng: a batch of keys needs one key per row, got shape {key.shape} for {batch} rows")
     return key if key.ndim == 1 else jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
 
 
@@ -374,6 +379,15 @@ class SpeculativeLoop:
                               finish_reason=state.finish, steps=state.steps, accepted=state.accepted)
 
     @_phase()
+    def recent(self, state: LoopState) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(n_out [B], finish [B], out[b, max(n_out[b] - block, 0) :][:block] [B, block]): all a step can
+        have emitted, which ``stream`` copies to the host instead of the whole ``out``."""
+        block = self.spec.block_size
+        start = jnp.maximum(state.n_out - block, 0)
+        window = jax.vmap(lambda o, s: jax.lax.dynamic_slice_in_dim(o, s, block))(state.out, start)
+        return state.n_out, state.finish, window
+
+    @_phase()
     def run(self, params, prompts, prompt_lens, rng) -> GenerateOutput:
         """The whole generation: init, then decode."""
         return self.decode(params, self.init(params, prompts, prompt_lens, rng))[0]
@@ -515,9 +529,11 @@ def stream(target: Target, prompts, *, drafter=None, block_size: int | None = No
     state = loop.init(params, tokens, lengths, rng)
     shown = np.zeros(len(lengths), np.int32)
     while True:
-        # Copied to the host before the next step donates the state's buffers.
-        n_out, out, finish = sharding.host((state.n_out, state.out, state.finish))  # every process's rows
-        yield [out[b, shown[b]:n_out[b]].tolist() for b in range(len(n_out))]
+        # A step emits at most block_size tokens per row: copy only the window that holds them (every
+        # process's rows), before the next step donates the state's buffers.
+        n_out, finish, window = sharding.host(loop.recent(state))
+        start = np.maximum(n_out - loop.spec.block_size, 0)
+        yield [window[b, shown[b] - start[b]:n_out[b] - start[b]].tolist() for b in range(len(n_out))]
         shown = n_out
         if not (finish == FinishReason.RUNNING).any():
             return loop.output(state)

@@ -432,3 +432,46 @@ def test_decode_donates_the_state_into_its_final_state():
     assert all(x.is_deleted() for x in jax.tree.leaves(state.cache))
     assert out.token_lists() == loop.run(params, tokens, lengths, 0).token_lists()
     assert isinstance(final, gen.LoopState) and (np.asarray(final.n_out) == 4).all()
+
+
+def test_stream_copies_a_block_per_step_not_the_whole_output(monkeypatch):
+    """stream() copies n_out, finish and a [B, block] window per step (not the [B, max_new + block]
+    buffer: O(n) over a generation), gathered by sharding.host, as finish_names() is."""
+    from dflash_jax import sharding
+
+    target, copied = _tiny_vocab_target(), []
+
+    def host(tree):
+        copied.append([np.shape(x) for x in jax.tree.leaves(tree)])
+        return real(tree)
+
+    real = sharding.host
+    monkeypatch.setattr(sharding, "host", host)
+    prompts, max_new = [[1, 2, 3], [4, 5]], 20
+    proposer = OracleProposer(V)
+    continuation = jnp.asarray(generate(target, prompts, max_new_tokens=max_new, stop_ids=()).tokens)
+    drafter = (proposer, OracleParams(jnp.pad(continuation, ((0, 0), (0, 8))), jnp.array([3, 99])))
+    for block, kw in ((1, {}), (4, dict(drafter=drafter))):
+        copied.clear()
+        it = stream(target, prompts, block_size=block, max_new_tokens=max_new, stop_ids=(), **kw)
+        chunks = list(it)
+        assert [sum((c[b] for c in chunks), []) for b in range(2)] == continuation.tolist()
+        assert len(copied) == len(chunks) and all(s in ((2,), (2, block)) for c in copied for s in c)
+    copied.clear()
+    assert generate(target, prompts, max_new_tokens=2, stop_ids=()).finish_names() == ["length", "length"]
+    assert copied == [[(2,)]]
+
+
+def test_bad_rng_is_a_clear_error():
+    target = _tiny_vocab_target()
+    prompts = [[1, 2, 3], [4, 5]]
+    for rng, message in ((jax.random.split(jax.random.key(0), 3), r"rng: a batch of keys needs one key per row, "
+                                                                   r"got shape \(3,\) for 2 rows"),
+                         (np.zeros((3, 2), np.uint32), r"got shape \(3,\) for 2 rows"),
+                         (1.5, "rng must be an int seed, a key"),
+                         (np.zeros((2, 3), np.uint32), "rng must be an int seed")):
+        with pytest.raises(ValueError, match=message):
+            generate(target, prompts, max_new_tokens=2, rng=rng)
+    keys = jax.random.split(jax.random.key(0), 2)
+    assert generate(target, prompts, max_new_tokens=2, rng=keys).token_lists() == \
+        generate(target, prompts, max_new_tokens=2, rng=jax.random.key_data(keys)).token_lists()
