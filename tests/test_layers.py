@@ -59,3 +59,29 @@ def test_with_kernels_changes_the_graph_not_the_weights():
     assert other.params is d.params
     with pytest.raises(ValueError, match="unknown kernel mode"):
         d.with_kernels("fast")
+
+
+def test_kernels_is_read_off_the_graph_without_merging(monkeypatch):
+    """SplitModel.kernels is the root module's attribute, read off the graphdef: no merge of the params,
+    and a child's own ``kernels`` (here fc's, ahead of the root's in the definition) is not mistaken for it."""
+    from flax import nnx
+
+    from dflash_jax import layers
+    from dflash_jax.drafter import Drafter
+
+    cfg = DrafterConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, intermediate_size=48, vocab_size=64, block_size=4, mask_token_id=63,
+                        target_layer_ids=(0,), num_target_layers=2)
+    d = init_drafter(cfg, kernels="reference")
+    module = d.module()
+    module.fc.kernels = "interpret"
+    odd = Drafter(cfg, *nnx.split(module))
+    assert layers.root_static(odd.graphdef, "cfg") == cfg
+    with pytest.raises(AttributeError, match="no static attribute 'speed'"):
+        layers.root_static(odd.graphdef, "speed")
+
+    def no_merge(*args, **kwargs):
+        raise AssertionError("kernels merged the model")
+
+    monkeypatch.setattr(nnx, "merge", no_merge)
+    assert (d.kernels, odd.kernels) == ("reference", "reference")
