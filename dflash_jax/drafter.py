@@ -426,7 +426,7 @@ def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
     """Raises ConfigError listing every way the drafter cannot run on this target."""
     n, D = len(cfg.target_layer_ids), target_cfg.hidden_size
     problems = []
-    if n * cfg.target_hidden_size != n * D:
+    if cfg.target_hidden_size != D:
         problems.append(f"drafter fc takes {n} x target_hidden_size {cfg.target_hidden_size} = "
                         f"{n * cfg.target_hidden_size} inputs, but {n} taps of the target (hidden_size {D}) "
                         f"give {n * D}")
