@@ -216,15 +216,16 @@ class ChunkedBlocks:
     """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``,
     the Dk contractions split into block_k slices.
 
-    Chosen from the gfx950 compile report (kernels/report.py) at Dk = 128: (16, 32, 2 warps) is the
-    largest tile without spills (~464 VGPR incl. AGPR, 36 KiB LDS); (32, 32, 4 warps) leaves one
-    SGPR pair spilled, wider tiles or whole-Dk (block_k = 128) operands spill VGPRs.
+    Chosen from the gfx950 compile report (kernels/report.py) at Dk = 128 under both triton 3.7.1 and
+    3.8.0: (16, 32, 4 warps) compiles without spills in both (392 / 382 VGPR, ~60 SGPR, 36 KiB LDS);
+    2 warps spill 9 VGPRs under 3.8.0, (32, 32, 4 warps) one VGPR under 3.7.1; whole-Dk (block_k =
+    128) operands spill VGPRs.
     """
 
     block_v: int = 16
     block_k: int = 32
     chunk: int = 64
-    num_warps: int = 2
+    num_warps: int = 4
     num_stages: int = 1
 
     def __post_init__(self):
@@ -290,6 +291,9 @@ def _unit_lower_inverse(a_t):
     return jax.lax.fori_loop(1, C, body, (row == col).astype(jnp.float32))
 
 
+_MASKED = 1e30  # exp(x - _MASKED * n) = 0 for n >= 1 and any log-decay difference x below 1e29
+
+
 def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, state_out_ref, *, chunk,
                         block_k):
     # q_ref, k_ref [Tp, Dk]; v_ref, o_ref [Tp, BV]; g_ref, beta_ref [Tp]; state refs [Dk, BV]
@@ -307,9 +311,12 @@ def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, 
         kk = sum(_dot(key(ks), key(ks), (1, 1)) for ks in slices)  # [C, C]
         # a_t[j, i] = a[i, j] = beta_i (k_i . k_j) exp(gc_i - gc_j) for i > j, else 0 (k k^T is
         # symmetric). Masked before exp, so exp(gc_i - gc_j) for j > i (which can be huge) never
-        # exists and exp(-inf) = 0 zeroes the upper part: no second select whose per-element lane
-        # masks the compiler would keep alive in scalar registers through the substitution loop.
-        a_t = beta[None, :] * kk * jnp.exp(jnp.where(col > row, gc[None, :] - gc[:, None], -jnp.inf))
+        # exists: the masked exponents get -1e30 * (j - i + 1) (exactly + 0 where kept) and exp
+        # gives exactly 0. Integer max and a multiply, no compare: the compiler hoists loop-invariant
+        # masks out of the chunk loop, and a compare's per-element lane masks (an SGPR pair each)
+        # then spill the scalar registers (triton 3.7.1: 76 SGPR spills with jnp.where masks).
+        above = jnp.maximum(row - col + 1, 0).astype(f32)  # [C, C]: j - i + 1 where j >= i, else 0
+        a_t = beta[None, :] * kk * jnp.exp(gc[None, :] - gc[:, None] - _MASKED * above)
         inv = _unit_lower_inverse(a_t)  # [C, C]
         v_new = _dot(inv, beta[:, None] * v_ref[rows, :].astype(f32))  # [C, BV], becomes U - W S
         o = jnp.zeros_like(v_new)  # [C, BV]
@@ -320,7 +327,7 @@ def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, 
             v_new = v_new - _dot(w_s, S_s)
             o = o + _dot(q_s * jnp.exp(gc)[:, None], S_s)
             qk = qk + _dot(q_s, key(ks), (1, 1))
-        gamma = jnp.exp(jnp.where(row >= col, gc[:, None] - gc[None, :], -jnp.inf))  # [C, C]
+        gamma = jnp.exp(gc[:, None] - gc[None, :] - _MASKED * jnp.maximum(col - row, 0).astype(f32))  # [C, C]
         o_ref[rows, :] = o + _dot(qk * gamma, v_new)
         last = jnp.sum(jnp.where(col[0] == C - 1, gc, 0.0))  # gc[C-1] without value slicing
         decay = jnp.exp(last - gc)[:, None]
