@@ -253,20 +253,30 @@ class SpeculativeLoop:
         if capacity < need:
             raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "
                              f"max_new_tokens {max_new} + block_size {block} = {need}")
-        cache = jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype))
-        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)) + batch * (max_new + block) * 4
-        memory, device = _memory_bytes()
-        if capacity >= 2**31 - 1 or (memory is not None and nbytes > memory):
-            held = "" if memory is None else f" ({memory / 2**30:.1f} GiB on {device})"
-            raise ValueError(f"max_new_tokens {max_new} cannot be held: {batch} rows of {capacity} cache positions "
-                             f"need {nbytes / 2**30:.1f} GiB for the target's cache and the output alone, more "
-                             f"than the memory{held}; lower max_new_tokens or the batch")
+        # Checked again by init once the proposer's state exists; here before prefill is traced at this size.
+        self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
         limit = getattr(self.cfg, "max_position_embeddings", None)
         if limit and bucket + max_new > limit:
             warnings.warn(f"prompt bucket {bucket} + max_new_tokens {max_new} = {bucket + max_new} exceeds the "
                           f"target's max_position_embeddings {limit}: positions past it are untrained",
                           stacklevel=2)
         return capacity
+
+    def _check_held(self, batch: int, capacity: int, caches) -> None:
+        """A clear error when ``caches`` (a pytree of arrays or shapes: the target's cache, the proposer's
+        state) and the output of ``batch`` rows exceed one device's memory; a mesh's data axis splits
+        the rows (when it divides them)."""
+        max_new, block = self.spec.max_new_tokens, self.spec.block_size
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches)) + batch * (max_new + block) * 4
+        data = 1 if self.mesh is None else dict(self.mesh.shape).get("data", 1)
+        rows = data if batch % data == 0 else 1
+        memory, device = _memory_bytes()
+        if capacity >= 2**31 - 1 or (memory is not None and nbytes / rows > memory):
+            held = "" if memory is None else f" ({memory / 2**30:.1f} GiB on {device})"
+            split = f", {nbytes / rows / 2**30:.1f} GiB per device over the data axis of {rows}" if rows > 1 else ""
+            raise ValueError(f"max_new_tokens {max_new} cannot be held: {batch} rows of {capacity} cache positions "
+                             f"need {nbytes / 2**30:.1f} GiB for the caches and the output alone{split}, more "
+                             f"than the memory{held}; lower max_new_tokens or the batch")
 
     def _finite(self, logits):
         """Logits [..., V] -> [...] True where they are finite after the temperature (one reduction)."""
@@ -288,6 +298,7 @@ class SpeculativeLoop:
         first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
         state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
                                    prompt_lens=prompt_lens, capacity=capacity)
+        self._check_held(B, capacity, (cache, state))
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
         finite = self._finite(out.logits)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,

@@ -475,3 +475,35 @@ def test_bad_rng_is_a_clear_error():
     keys = jax.random.split(jax.random.key(0), 2)
     assert generate(target, prompts, max_new_tokens=2, rng=keys).token_lists() == \
         generate(target, prompts, max_new_tokens=2, rng=jax.random.key_data(keys)).token_lists()
+
+
+def test_memory_check_counts_the_proposer_state_and_splits_rows_over_the_data_axis(monkeypatch):
+    target = _tiny_vocab_target()
+    cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=8, intermediate_size=24, vocab_size=V, block_size=4, mask_token_id=V - 1,
+                        target_layer_ids=(0, 1), num_target_layers=2, target_hidden_size=16)
+    drafter = init_drafter(cfg)
+    tokens, lengths = pad_prompts([[1, 2, 3], [4, 5], [6], [7, 1]], 8)
+    spec = SpecConfig(block_size=4, max_new_tokens=64, stop_ids=())
+    capacity = 8 + 64 + 4
+    target_only = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+        lambda: gen.init_cache(target.cfg, 4, capacity, jnp.float32)))) + 4 * (64 + 4) * 4
+    monkeypatch.setattr(gen, "_memory_bytes", lambda: (target_only, "a test device"))
+
+    def trace(proposer, pparams, s=spec):  # the check runs at trace time: nothing is compiled or run
+        return jax.eval_shape(make_generate(target, proposer, s), (target.params, pparams), tokens, lengths, 0)
+
+    trace(NoProposer(), (), dataclasses.replace(spec, block_size=1, capacity=capacity))
+    with pytest.raises(ValueError, match=r"max_new_tokens 64 cannot be held: 4 rows of 76 cache positions need "
+                                         r".* GiB for the caches and the output alone, more than the memory"):
+        trace(DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params)
+    # On a mesh the rows are split over the data axis (when it divides them): half the bytes per device.
+    monkeypatch.setattr(gen, "_memory_bytes", lambda: (target_only // 2 + 1, "a test device"))
+    caches = jax.eval_shape(lambda: gen.init_cache(target.cfg, 4, capacity, jnp.float32))
+    mesh = jax.sharding.AbstractMesh((2, 1, 1), ("data", "model", "expert"))
+    loop = gen.SpeculativeLoop.of(target, spec=dataclasses.replace(spec, block_size=1))
+    with pytest.raises(ValueError, match="cannot be held"):
+        loop._check_held(4, capacity, caches)
+    dataclasses.replace(loop, mesh=mesh)._check_held(4, capacity, caches)
+    with pytest.raises(ValueError, match="cannot be held"):  # 3 rows do not split over 2: replicated
+        dataclasses.replace(loop, mesh=mesh)._check_held(3, capacity, caches)
