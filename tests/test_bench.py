@@ -152,8 +152,8 @@ class FakeLoop:
         self.calls += 1
         return self.device.submit(self.name, self.cost[0] + (self.compile_s if self.calls == 1 else 0.0))
 
-    def decode(self, params, state):
-        return self.device.submit(self.name, self.cost[1])
+    def decode(self, params, state):  # (output, final state), as SpeculativeLoop.decode returns
+        return self.device.submit(self.name, self.cost[1]), state
 
 
 def _fake_runs(device, costs):
