@@ -63,7 +63,7 @@ def fixed_tau(target, drafter, *, blocks=(4, 8, 16), tau: int = 10, prompt_len: 
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(2, target.cfg.vocab_size, (1, prompt_len)), jnp.int32)
     lengths = jnp.full((1,), prompt_len, jnp.int32)
-    spec = lambda block: SpecConfig(block_size=block, max_new_tokens=max_new, stop_ids=(-1,))
+    spec = lambda block: SpecConfig(block_size=block, max_new_tokens=max_new, stop_ids=())
     ar = SpeculativeLoop.of(target, NoProposer(), spec(1))
     ar_out = ar.run((target.params, ()), tokens, lengths, 0)
     continuation = jnp.pad(jnp.maximum(ar_out.tokens, 0), ((0, 0), (0, max(blocks))))
