@@ -32,7 +32,7 @@ def test_from_python_example_runs(capsys):
     replacements = {
         '"Qwen3.5-27B/"': repr(str(ASSETS / "target")),
         '"Qwen3.5-27B-DFlash/"': repr(str(ASSETS / "drafter")),
-        "[[151644, 872, 198], [151644, 77091]]": "[[5, 872, 198], [17, 771]]",
+        "[[151644, 872, 198], [151644, 77091]]": "[[5, 87, 198], [17, 77]]",
         "jnp.bfloat16": "jnp.float32",
         "max_new_tokens=256": "max_new_tokens=24",
         "max_new_tokens=64": "max_new_tokens=8",
