@@ -12,6 +12,15 @@ import os
 
 import pytest
 
+# torch (the transformers oracle's backend), when installed, is loaded before JAX compiles anything:
+# loaded later by a fixture, after XLA's CPU compiler has run, it made that compiler segfault midway
+# through the suite (jaxlib 0.10.2 with torch 2.13.0 CPU; seen twice, never with this early import).
+try:
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+except ImportError:  # torch-free tests still run; the oracle fixtures skip themselves
+    pass
+
 # Tests compile many small programs; LLVM's expensive passes buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 

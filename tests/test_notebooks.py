@@ -23,6 +23,7 @@ def test_notebooks_are_stored_without_outputs():
             f"{path.name}: clear its outputs before committing (CI executes it)"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")

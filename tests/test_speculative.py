@@ -82,6 +82,7 @@ def _drafter_for(target, block=8, seed=0):
     return init_drafter(cfg, dtype=jnp.float32, seed=seed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", ["one", "mixed"])
 def test_greedy_oracle_lossless_every_acceptance_count(tiny, batch):
     kind, target = tiny
@@ -110,6 +111,7 @@ def test_greedy_random_drafter_lossless(tiny):
     np.testing.assert_array_equal(out.tokens, ar.tokens)
 
 
+@pytest.mark.slow
 def test_block_size_chosen_per_call_without_reloading(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
     drafter = _drafter_for(target)
@@ -120,6 +122,7 @@ def test_block_size_chosen_per_call_without_reloading(hf_dense):
         assert out.token_lists() == ar.token_lists()
 
 
+@pytest.mark.slow
 def test_stop_ids_and_max_new_tokens(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
     prompts = _prompts(target.cfg.vocab_size, PROMPT_LENS, seed=3)
@@ -136,6 +139,7 @@ def test_stop_ids_and_max_new_tokens(hf_dense):
     assert (np.asarray(out.lengths) <= MAX_NEW).all()
 
 
+@pytest.mark.slow
 def test_stream_yields_the_generated_tokens(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
     prompts = _prompts(target.cfg.vocab_size, (3, 8), seed=4)
@@ -181,6 +185,7 @@ def test_no_recompilation_for_new_prompts_in_the_same_bucket(hf_dense):
     assert seen
 
 
+@pytest.mark.slow
 def test_second_stream_and_generate_compile_nothing(hf_dense):
     """Equal configurations share the compiled phases (the loop is static and hashable): the second
     stream() and generate() with the same shapes, even from a reloaded target, compile nothing."""
@@ -282,6 +287,7 @@ def _with_nan_embedding(target, token):
     return dataclasses.replace(target, params=nnx.from_flat_state(flat))
 
 
+@pytest.mark.slow
 def test_nonfinite_logits_finish_the_row_as_nonfinite(hf_dense):
     """NaN weights: the row emits only tokens finite logits decided (plain decoding's), then stops NONFINITE.
 
@@ -345,6 +351,7 @@ def _exact_joint(target, prompt, cfg, n=3):
     return joint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
     target = _tiny_vocab_target()

@@ -47,6 +47,7 @@ def test_random_target_runs(pair):
     assert out.logits.shape == (1, target.cfg.vocab_size) and np.isfinite(np.asarray(out.logits)).all()
 
 
+@pytest.mark.slow
 def test_abstract_models_allocate_nothing():
     raw_target, raw_drafter = synthetic.REAL_SHAPES["27b"]
     target = synthetic.abstract_target(raw_target)

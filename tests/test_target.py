@@ -116,6 +116,7 @@ def _copy(cache):
     return jax.tree.map(jnp.copy, cache)
 
 
+@pytest.mark.slow
 def test_verify16_then_commit_n_equals_processing_n_tokens(pair):
     _, tg = pair
     prompt_lens = (7, 20, 1, 64)

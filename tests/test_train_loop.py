@@ -6,6 +6,7 @@ import shutil
 
 import jax
 import numpy as np
+import pytest
 from train_fixtures import tiny_target
 
 from dflash_jax.train import lm, loop
@@ -16,6 +17,7 @@ def repeated(batch):
         yield batch
 
 
+@pytest.mark.slow
 def test_training_lowers_loss_and_resumes_exactly(tmp_path):
     target = tiny_target()
     batch = np.random.default_rng(0).integers(2, 64, (2, 32)).astype(np.int32)
