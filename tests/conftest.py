@@ -12,9 +12,7 @@ import os
 
 import pytest
 
-# torch (the transformers oracle's backend), when installed, is loaded before JAX compiles anything:
-# loaded later by a fixture, after XLA's CPU compiler has run, it made that compiler segfault midway
-# through the suite (jaxlib 0.10.2 with torch 2.13.0 CPU; seen twice, never with this early import).
+# torch (the transformers oracle's backend), when installed, is loaded before JAX compiles anything.
 try:
     import torch  # noqa: F401
     import transformers  # noqa: F401
@@ -23,6 +21,21 @@ except ImportError:  # torch-free tests still run; the oracle fixtures skip them
 
 # Tests compile many small programs; LLVM's expensive passes buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Each test module's compiled programs are dropped when it ends. One process compiles thousands of
+    programs over the suite; kept alive, their memory mappings approach the kernel's per-process limit
+    (vm.max_map_count, 65530) and XLA's CPU compiler crashed (segfault / abort) midway through
+    test_speculative in three whole-suite runs, while every module passes alone."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
