@@ -23,12 +23,11 @@ except ImportError:  # torch-free tests still run; the oracle fixtures skip them
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
 
-@pytest.fixture(autouse=True, scope="module")
+@pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Each test module's compiled programs are dropped when it ends. One process compiles thousands of
-    programs over the suite; kept alive, their memory mappings approach the kernel's per-process limit
-    (vm.max_map_count, 65530) and XLA's CPU compiler crashed (segfault / abort) midway through
-    test_speculative in three whole-suite runs, while every module passes alone."""
+    """Each test's compiled programs are dropped when it ends. Kept alive over the whole suite, their memory
+    mappings (~8k a minute in test_speculative) reach the per-process limit (vm.max_map_count, 65530) and
+    XLA's CPU compiler crashed midway through the suite in three runs, while every module passes alone."""
     yield
     import gc
 
