@@ -58,17 +58,19 @@ def _fsync_tree(root: Path) -> None:
         _fsync(Path(dirpath))
 
 
-def check_writable(directory: str | Path, what: str = "output") -> Path:
-    """Creates ``directory`` if needed and proves a file can be written there; else ``WriteError`` naming it.
-    (Call before long work whose result goes there.)"""
+def check_writable(directory: str | Path, what: str = "output directory") -> Path:
+    """Creates ``directory`` if needed and proves a file can be written there now, before long work whose
+    result goes there; else ``WriteError`` naming ``what`` (a flag such as ``--out``) and the folder."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise WriteError(f"{what} {directory}: exists and is not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = _temp_sibling(directory / "probe", "tmp")
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise WriteError(f"{what} directory {directory} is not writable: {e.strerror or e}") from e
+        raise WriteError(f"{what} {directory}: not writable ({e.strerror or e})") from e
     return directory
 
 

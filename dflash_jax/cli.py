@@ -18,7 +18,7 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax import bench, quant, runtime, sharding
+from dflash_jax import atomic, bench, quant, runtime, sharding
 from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError
 from dflash_jax.sampling import SamplingConfig
@@ -372,7 +372,7 @@ def check_outputs(args) -> None:
     for flag in ("out", "ckpt_dir"):
         path = getattr(args, flag, None)
         if path is not None:
-            runtime.writable_dir(path, "--" + flag.replace("_", "-"))
+            atomic.check_writable(path, "--" + flag.replace("_", "-"))
     if getattr(args, "ckpt_dir", None) is not None and args.ckpt_every < 1:
         raise ValueError(f"--ckpt-every {args.ckpt_every} with --ckpt-dir would never save a checkpoint; "
                          f"give a step interval >= 1")

@@ -15,13 +15,13 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from importlib import resources
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import atomic
 from dflash_jax.proposers import DFlashProposer, NoProposer
 
 # The shipped small models (``target``, ``drafter``); DFLASH_JAX_ASSETS points at another folder of that layout.
@@ -194,15 +194,5 @@ def read_jsonl(path: str, flag: str) -> list[dict]:
     return rows
 
 
-def writable_dir(path: str | Path, flag: str) -> Path:
-    """Creates folder ``path`` if needed and proves it writable now, before any work that would write there."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path}: exists and is not a directory")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".dflash_jax_write_check"):
-            pass
-    except OSError as e:
-        raise ValueError(f"{flag} {path}: not writable ({e.strerror or e})") from None
-    return path
+# bench.py's name for the one writable-folder check, until it calls atomic.check_writable (REVIEW4)
+writable_dir = atomic.check_writable

@@ -128,13 +128,30 @@ def test_manifest_catches_flips_missing_files_and_an_unfinished_write(tmp_path):
 
 
 def test_unwritable_output_is_a_clear_error(tmp_path):
+    assert atomic.check_writable(tmp_path / "a" / "b", "--out").is_dir()
     (tmp_path / "file").write_text("x")
-    with pytest.raises(atomic.WriteError, match=r"bench output directory .*file/out is not writable"):
-        atomic.check_writable(tmp_path / "file" / "out", "bench output")
-    with pytest.raises(atomic.WriteError, match="not writable"), atomic.directory_writer(tmp_path / "file" / "d"):
+    with pytest.raises(atomic.WriteError, match=r"--out .*file: exists and is not a directory"):
+        atomic.check_writable(tmp_path / "file", "--out")
+    with pytest.raises(atomic.WriteError, match=r"--ckpt-dir .*file/out: not writable \(Not a directory\)"):
+        atomic.check_writable(tmp_path / "file" / "out", "--ckpt-dir")
+    with pytest.raises(atomic.WriteError, match="file: exists and is not a directory"), \
+            atomic.directory_writer(tmp_path / "file" / "d"):
         pass
     with pytest.raises(atomic.WriteError, match="cannot write"):
         atomic.write_text(tmp_path / "file" / "x.json", "{}")
+    assert list((tmp_path / "a" / "b").iterdir()) == []  # the probe file is gone
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_dir_is_not_writable(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(atomic.WriteError, match="--out .*ro: not writable"):
+            atomic.check_writable(ro, "--out")
+    finally:
+        ro.chmod(0o700)
 
 
 @pytest.fixture
@@ -156,7 +173,7 @@ def test_orbax_save_into_a_read_only_directory_fails_fast(read_only_dir):
     p = subprocess.run([sys.executable, "-c", code, str(read_only_dir / "step_1")], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 1
-    assert f"WriteError: output directory {read_only_dir} is not writable: Read-only file system" in p.stderr
+    assert f"WriteError: output directory {read_only_dir}: not writable (Read-only file system)" in p.stderr
 
 
 def test_exports_write_each_file_whole(tmp_path):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from dflash_jax import runtime
@@ -96,27 +94,6 @@ def test_default_model_dirs():
 
 def test_default_dtype_is_float32_on_cpu():
     assert runtime.default_dtype() == ("float32" if runtime.jax.default_backend() == "cpu" else "bfloat16")
-
-
-def test_writable_dir(tmp_path):
-    assert runtime.writable_dir(tmp_path / "a" / "b", "--out").is_dir()
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="--out .*file: exists and is not a directory"):
-        runtime.writable_dir(tmp_path / "file", "--out")
-    with pytest.raises(ValueError, match="--ckpt-dir .*file/sub: not writable"):
-        runtime.writable_dir(tmp_path / "file" / "sub", "--ckpt-dir")
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_dir_is_not_writable(tmp_path):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    ro.chmod(0o500)
-    try:
-        with pytest.raises(ValueError, match="--out .*ro: not writable"):
-            runtime.writable_dir(ro, "--out")
-    finally:
-        ro.chmod(0o700)
 
 
 shipped = pytest.mark.skipif(not (runtime.ASSETS / "target" / "config.json").is_file(), reason="no shipped models")
