@@ -29,13 +29,13 @@ MTP_DEFAULT_STEPS = 3
 SEED_MAX = 2**31 - 1  # seeds become int32 keys
 
 
-def parse_method(args, draft_block: int | None) -> runtime.Method:
-    """The method the flags ask for: ``--speculative-config`` (vLLM's JSON) or ``--draft-model``/``--block-size``.
+def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runtime.Method:
+    """The method generate's flags ask for: ``spec`` (the parsed ``--speculative-config``) or
+    ``--draft-model``/``--block-size``. (``runtime.parse_method`` reads a method string such as ``mtp:3``.)
 
     ``draft_block`` is the drafter's block size (None without a drafter). Settings that disagree,
     or that the chosen method would not use, are refused rather than dropped.
     """
-    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
     if spec is None:
         if args.block_size == 1:
             if args.draft_model:
@@ -137,8 +137,9 @@ def check_request(args) -> Request:
     """Every check that needs no weights: flags, configs (sizes only), the prompts' text."""
     texts = read_prompts(args)
     draft_flag = args.draft_model
-    if args.speculative_config:
-        spec_model = parse_speculative_config(args.speculative_config).get("model")
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    if spec is not None:
+        spec_model = spec.get("model")
         if spec_model and args.draft_model and Path(spec_model) != Path(args.draft_model):
             raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
                              f"{spec_model}")
@@ -152,7 +153,7 @@ def check_request(args) -> Request:
         from dflash_jax.drafter import DrafterConfig
 
         draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
-    method = parse_method(args, draft_block)
+    method = method_from_flags(args, spec, draft_block)
     if method.kind == "dflash" and method.block > draft_block:
         raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
                          f"size {draft_block} ({draft_dir})")

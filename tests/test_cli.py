@@ -136,6 +136,24 @@ def test_settings_that_disagree_or_go_unused_are_refused(capsys, argv, match):
     assert match in _error(capsys, ["generate", "x", "--no-compare", "--quiet", *argv])
 
 
+@pytest.mark.parametrize("block_size, draft_model, spec, draft_block, name", [
+    (None, None, None, 16, "dflash:16"),  # the shipped pair's default: the drafter's own block
+    (4, "d", None, 16, "dflash:4"),
+    (1, None, None, 16, "ar"),
+    (None, None, {"method": "mtp"}, None, f"mtp:{cli.MTP_DEFAULT_STEPS}"),
+    (8, None, {"method": "mtp"}, None, "mtp:7"),  # block = drafts + 1
+    (None, None, {"method": "dflash", "model": "d", "num_speculative_tokens": 3}, 16, "dflash:4"),
+    (None, None, {"method": "dflash", "model": "d"}, 16, "dflash:16"),
+])
+def test_method_from_flags(block_size, draft_model, spec, draft_block, name):
+    """generate's flags -> the method (``runtime.parse_method`` reads method strings; the names differ on purpose)."""
+    import argparse
+
+    args = argparse.Namespace(block_size=block_size, draft_model=draft_model)
+    assert cli.method_from_flags(args, spec, draft_block).name == name
+    assert runtime.parse_method(name) == cli.method_from_flags(args, spec, draft_block)
+
+
 def test_out_of_range_seed_and_bad_stop_ids_are_argparse_errors(capsys):
     for argv, match in ((["--seed", str(2**31)], "expected an integer in 0..2147483647"),
                         (["--seed", "-1"], "expected an integer in 0..2147483647"),
