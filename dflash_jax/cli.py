@@ -179,16 +179,60 @@ def check_request(args) -> Request:
                    tuple(dict.fromkeys(eos + tuple(args.stop_ids))), tuple(_utf8(s, "--stop") for s in args.stop))
 
 
-def _cut_at_stop(tokenizer, tokens: list[int], stops: tuple[str, ...]) -> tuple[list[int], str, bool]:
-    """(tokens up to the one completing a stop string, text before the stop, whether one occurred)."""
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    hits = [text.find(s) for s in stops if s in text]
-    if not hits:
-        return tokens, text, False
-    cut = min(hits)
-    n = next(n for n in range(1, len(tokens) + 1)
-             if any(s in tokenizer.decode(tokens[:n], skip_special_tokens=True) for s in stops))
-    return tokens[:n], text[:cut], True
+class TextStream:
+    """The text of a completion as its tokens arrive, decoded incrementally, cut at the first stop string.
+
+    Each token decodes only the tokens since the last complete character (and the run before them, so a
+    tokenizer that strips a leading space strips it on both decodes alike), never the whole list: O(n)
+    decoding over a completion, not O(n^2). A decode ending in U+FFFD (a multi-byte character split over
+    tokens) waits for the next token. ``text`` is ``tokenizer.decode(tokens)`` (special tokens skipped,
+    no clean-up of spaces, which could rewrite text already shown) up to a held-back incomplete
+    character; ``text[:settled]`` is the part no later token can change (the last
+    ``len(longest stop) - 1`` characters may still turn out to start a stop string).
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string occurred: ``tokens`` end with the one completing it
+        self.ended = False  # ``finish`` was called
+        self._start = self._done = 0  # decode window [start, ...); tokens[:done] are in ``text``
+        self._held = max((len(s) for s in stops), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _take(self, final: bool) -> None:
+        before = self._decode(self.tokens[self._start:self._done])
+        window = self._decode(self.tokens[self._start:])
+        if len(window) > len(before) and (final or not window.endswith("\ufffd")):
+            self.text += window[len(before):]
+            self._start, self._done = self._done, len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        """Adds tokens (ignored once stopped), one at a time so a stop ends at the token completing it."""
+        for token in tokens:
+            if self.stopped:
+                return
+            self.tokens.append(int(token))
+            old = len(self.text)
+            self._take(final=False)
+            if self.stops and len(self.text) > old:
+                tail = max(0, old - self._held)  # a stop can only end in the new characters
+                hits = [i for i in (self.text.find(s, tail) for s in self.stops) if i >= 0]
+                if hits:
+                    self.text, self.stopped = self.text[:min(hits)], True
+
+    def finish(self) -> None:
+        """The stream ended: a held-back incomplete character is added as the decoder shows it."""
+        if not self.stopped:
+            self._take(final=True)
+        self.ended = True
+
+    @property
+    def settled(self) -> int:
+        return len(self.text) if self.stopped or self.ended else max(0, len(self.text) - self._held)
 
 
 def _complete(args, req: Request, tokenizer, it) -> dict:
@@ -196,29 +240,31 @@ def _complete(args, req: Request, tokenizer, it) -> dict:
 
     A stop string ends the stream early: the tokens keep the one that completed it, the text ends before it.
     """
-    shown: list[int] = []
-    printed, stopped, steps, emitted = "", False, -1, 0
+    text = TextStream(tokenizer, req.stop_strings)
+    printed, steps, emitted, out = 0, -1, 0, None
+
+    def show():
+        nonlocal printed
+        if not args.json:
+            print(text.text[printed:text.settled], end="", flush=True)
+        printed = text.settled
+
     try:
-        while True:
+        while not text.stopped:
             chunk = next(it)[0]
             steps, emitted = steps + 1, emitted + len(chunk)
-            shown += chunk
-            if req.stop_strings:
-                shown, text, stopped = _cut_at_stop(tokenizer, shown, req.stop_strings)
-            else:
-                text = tokenizer.decode(shown, skip_special_tokens=True)
-            if not args.json:
-                print(text[len(printed):], end="", flush=True)
-            printed = text
-            if stopped:
-                it.close()
-                break
+            text.extend(chunk)
+            show()
+        it.close()
     except StopIteration as done:
         out = done.value
-        return dict(tokens=shown, text=printed, tau=float(out.tau[0]), steps=int(out.steps[0]),
-                    finish_reason=out.finish_names()[0])
-    # tokens committed per target step: all but the prefill's first token, over the steps taken
-    return dict(tokens=shown, text=printed, tau=(emitted - 1) / max(steps, 1), steps=steps, finish_reason="stop")
+    text.finish()
+    show()
+    if out is None:  # tokens committed per target step: all but the prefill's first token, over the steps taken
+        return dict(tokens=text.tokens, text=text.text, tau=(emitted - 1) / max(steps, 1), steps=steps,
+                    finish_reason="stop")
+    return dict(tokens=text.tokens, text=text.text, tau=float(out.tau[0]), steps=int(out.steps[0]),
+                finish_reason=out.finish_names()[0])
 
 
 def cmd_generate(args) -> int:
@@ -353,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
     g.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
                    help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
-    g.add_argument("--repeats", type=int, default=5, help="timed runs per method in the comparison")
+    g.add_argument("--repeats", type=int, default=15, help="timed runs per method in the comparison")
     g.add_argument("--no-compare", action="store_true", help="skip the timed comparison with plain decoding")
     g.add_argument("--json", action="store_true", help="print one JSON document (completions with tokens, text, "
                    "tau, finish reason; timings) instead of streaming text")

@@ -154,6 +154,78 @@ def test_method_from_flags(block_size, draft_model, spec, draft_block, name):
     assert runtime.parse_method(name) == cli.method_from_flags(args, spec, draft_block)
 
 
+class _Counting:
+    """A tokenizer whose decodes count the ids they read."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids_read = tokenizer, 0
+
+    def decode(self, ids, **kw):
+        self.ids_read += len(ids)
+        return self.tokenizer.decode(ids, **kw)
+
+
+def _shipped_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(ASSETS / "target"))
+
+
+def _stream(tokenizer, tokens, chunk, stops=()):
+    """(TextStream after all chunks, the text shown step by step)."""
+    text, shown = cli.TextStream(tokenizer, stops), ""
+    for i in range(0, len(tokens), chunk):
+        text.extend(tokens[i:i + chunk])
+        assert text.text.startswith(shown)  # shown text is never taken back
+        shown = text.text[:text.settled]
+        if text.stopped:
+            break
+    text.finish()
+    return text, shown + text.text[len(shown):]
+
+
+MULTIBYTE = "def café(naïve):\n    return '日本語 🎉 ü' * 2  # ¿qué? — ok\n" * 6
+
+
+@pytest.mark.skipif(not (ASSETS / "target" / "tokenizer.json").is_file(), reason="shipped tokenizer absent")
+@pytest.mark.parametrize("chunk", [1, 3, 16])
+def test_streamed_text_is_the_full_decode_and_incremental(chunk):
+    """Multi-byte characters split over tokens, merged tokens, random ids (invalid UTF-8 mid-text, special
+    tokens): the streamed text equals one decode of all tokens, and decoding reads O(n) ids, not O(n^2)."""
+    import random
+
+    tok = _shipped_tokenizer()
+    rand = random.Random(chunk)
+    for tokens in (tok.encode(MULTIBYTE, add_special_tokens=False),
+                   [rand.randrange(len(tok)) for _ in range(300)]):
+        full = tok.decode(tokens, skip_special_tokens=True)
+        counting = _Counting(tok)
+        text, shown = _stream(counting, tokens, chunk)
+        assert text.text == full and shown == full and text.tokens == tokens
+        assert counting.ids_read <= 8 * len(tokens), (counting.ids_read, len(tokens))
+    assert len(tok.encode(MULTIBYTE)) > 100 and any(
+        "\ufffd" in tok.decode([t]) for t in tok.encode(MULTIBYTE))  # characters do split over tokens
+
+
+@pytest.mark.skipif(not (ASSETS / "target" / "tokenizer.json").is_file(), reason="shipped tokenizer absent")
+@pytest.mark.parametrize("stops", [("日本",), ("* 2", "ü'"), ("return", "turn '日"), ("🎉",), ("\n\n",)])
+def test_stop_strings_end_at_the_token_completing_them(stops):
+    """Against the definition: the first n whose decode holds a stop; the text ends before the earliest one."""
+    tok = _shipped_tokenizer()
+    tokens = tok.encode(MULTIBYTE, add_special_tokens=False)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    hit = next((n for n in range(1, len(tokens) + 1) if any(s in decode(tokens[:n]) for s in stops)), None)
+    for chunk in (1, 5):
+        text, shown = _stream(tok, tokens, chunk, stops)
+        if hit is None:
+            assert not text.stopped and text.text == decode(tokens)
+            continue
+        want = decode(tokens[:hit])
+        assert text.stopped and text.tokens == tokens[:hit]
+        assert text.text == want[:min(want.find(s) for s in stops if s in want)] == shown
+        assert not any(s in shown for s in stops)
+
+
 def test_out_of_range_seed_and_bad_stop_ids_are_argparse_errors(capsys):
     for argv, match in ((["--seed", str(2**31)], "expected an integer in 0..2147483647"),
                         (["--seed", "-1"], "expected an integer in 0..2147483647"),
