@@ -108,16 +108,7 @@ def read_prompts(args) -> list[str]:
         if args.prompt == "-":
             return [_utf8(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), "the prompt on stdin")]
         return [_utf8(args.prompt, "the prompt")]
-    rows = runtime.read_jsonl(args.prompts, "--prompts")
-    texts = []
-    for i, row in enumerate(rows, 1):
-        text = row.get("prompt", (row.get("turns") or [None])[0] if isinstance(row.get("turns"), list) else None)
-        if not isinstance(text, str):
-            raise ValueError(f'--prompts {args.prompts}: line {i} has no "prompt" string (or "turns" list)')
-        texts.append(text)
-    if not texts:
-        raise ValueError(f"--prompts {args.prompts}: no prompts in the file")
-    return texts
+    return runtime.read_prompt_texts(args.prompts, "--prompts")
 
 
 @dataclasses.dataclass(frozen=True)

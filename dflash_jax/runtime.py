@@ -166,8 +166,8 @@ def proposer_for(method: Method, target, drafter):
     return MTPProposer.of(target, method.block - 1), mtp_params(target)
 
 
-def read_jsonl(path: str, flag: str) -> list[dict]:
-    """The JSON objects of a JSONL file ('-': stdin), one per non-blank line; errors name ``flag`` and the line."""
+def _jsonl_rows(path: str, flag: str):
+    """(line number, JSON object) per non-blank line of a JSONL file ('-': stdin); errors name ``flag`` and the line."""
     if path == "-":
         data, where = sys.stdin.buffer.read(), f"{flag} - (stdin)"
     else:
@@ -177,7 +177,6 @@ def read_jsonl(path: str, flag: str) -> list[dict]:
         if not file.is_file():
             raise ValueError(f"{where}: does not exist")
         data = file.read_bytes()
-    rows = []
     for i, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
@@ -190,8 +189,27 @@ def read_jsonl(path: str, flag: str) -> list[dict]:
             raise ValueError(f"{where}: line {i} is not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{where}: line {i} is a JSON {type(row).__name__}, not an object")
-        rows.append(row)
-    return rows
+        yield i, row
+
+
+def read_jsonl(path: str, flag: str) -> list[dict]:
+    """The JSON objects of a JSONL file ('-': stdin), one per non-blank line; errors name ``flag`` and the line."""
+    return [row for _, row in _jsonl_rows(path, flag)]
+
+
+def read_prompt_texts(path: str, flag: str) -> list[str]:
+    """The prompts of a JSONL file ('-': stdin): each line's ``"prompt"`` string, or the first of its
+    ``"turns"`` (z-lab's cached format); errors name ``flag`` and the file's line."""
+    texts = []
+    for i, row in _jsonl_rows(path, flag):
+        turns = row.get("turns")
+        text = row.get("prompt", turns[0] if isinstance(turns, list) and turns else None)
+        if not isinstance(text, str):
+            raise ValueError(f'{flag} {path}: line {i} has no "prompt" string (or "turns" list of strings)')
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{flag} {path}: no prompts in the file")
+    return texts
 
 
 # bench.py's name for the one writable-folder check, until it calls atomic.check_writable (REVIEW4)

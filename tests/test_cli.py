@@ -248,6 +248,7 @@ def test_invalid_utf8_prompt(capsys, monkeypatch):
 @pytest.mark.parametrize("command, content, match", [
     ("generate", '{"prompt": "a"}\n[1]\n', "line 2 is a JSON list, not an object"),
     ("generate", '{"prompt": 3}\n', 'line 1 has no "prompt" string'),
+    ("generate", '{"prompt": "a"}\n\n{"turns": []}\n', 'line 3 has no "prompt" string'),  # the file's line
     ("generate", b'{"prompt": "\xff"}\n', "line 1 is not valid UTF-8"),
     ("generate", "\n", "no prompts in the file"),
     ("bench", '{"turns": ["a"]}\n{"turns": [\n', "line 2 is not valid JSON"),
