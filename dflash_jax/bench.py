@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -134,10 +135,12 @@ def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, 
     """Times ``runs[name](batch, clock) -> (out, prefill_s, decode_s)`` warm, interleaved, repeated.
 
     Each run waits on its results. A method's first run (it compiles) and the warm run after it are
-    timed apart (``Timing.compile_s`` is their difference). Each timed run follows an untimed run of
-    the same method on the same batch, so a method is always measured warm, never right after another
-    method has evicted it from the caches; the order of methods alternates between batches and
-    repeats. Returns ``{name: Timing}``.
+    timed apart (``Timing.compile_s`` is their difference). Each timed run follows a run of the same
+    method (an untimed one where the previous run was another method's), so a method is always
+    measured warm, never right after another method has evicted it from the caches; the order of
+    methods alternates between batches and repeats (A B | B A | A B ...), so the runs paired by
+    ``speedups`` sit next to each other in time and a busy machine's slow spells hit both alike.
+    Returns ``{name: Timing}``.
     """
     names = list(runs)
     timing = {n: Timing() for n in names}
@@ -146,12 +149,15 @@ def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, 
             start = clock()
             runs[n](0, clock)
             setattr(timing[n], field, clock() - start)
+    last = names[-1]  # the method of the previous run
     for r in range(repeats):
         sums = {n: [0.0, 0.0] for n in names}
         for b in range(batches):
             for n in (names if (r + b) % 2 == 0 else names[::-1]):
-                runs[n](b, clock)  # untimed: this method warm right before its timed run
+                if n != last:
+                    runs[n](b, clock)  # untimed: this method warm right before its timed run
                 out, prefill_s, decode_s = runs[n](b, clock)
+                last = n
                 sums[n][0] += prefill_s
                 sums[n][1] += decode_s
                 if r == repeats - 1:
@@ -164,9 +170,24 @@ def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, 
     return timing
 
 
+def median_interval(values, confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``confidence`` interval of the median: order statistics x_(j) .. x_(n+1-j)
+    with j the largest rank where P(Binomial(n, 1/2) < j) <= (1 - confidence) / 2 ([min, max] when n is
+    too small for any narrower one: up to 8 values at 95%)."""
+    x, n = sorted(values), len(values)
+    tail, j = 0.0, 0
+    while j < n // 2 and tail + math.comb(n, j) / 2**n <= (1 - confidence) / 2:
+        tail += math.comb(n, j) / 2**n
+        j += 1
+    j = max(j, 1)
+    return x[j - 1], x[n - j]
+
+
 def spread(values) -> dict:
-    """{"median", "min", "max"} of a list of figures."""
-    return dict(median=round(statistics.median(values), 4), min=round(min(values), 4), max=round(max(values), 4))
+    """{"median", "min", "max", "ci"} of a list of figures; ci: the median's 95% interval (``median_interval``)."""
+    low, high = median_interval(values)
+    return dict(median=round(statistics.median(values), 4), min=round(min(values), 4), max=round(max(values), 4),
+                ci=[round(low, 4), round(high, 4)])
 
 
 def speedups(timing: Timing, base: Timing, tokens: int, base_tokens: int, rows: int) -> dict:
@@ -225,20 +246,28 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
         compile_s=dict(method=round(m_t.compile_s, 3), baseline=round(a_t.compile_s, 3)),
         ceiling=ceiling(method, target.cfg, drafter_cfg, tau=tau, batch=rows, context=context, dtype=dtype),
         same_tokens=m_t.outputs[0].token_lists() == a_t.outputs[0].token_lists(),
-        greedy=sampling.greedy, backend=jax.default_backend(), busy=busy_note())
+        greedy=sampling.greedy, backend=jax.default_backend(), load_average=load_average(), busy=busy_note())
 
 
 def _fmt(s: dict, unit: str = "x") -> str:
     return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f})"
 
 
+def _fmt_ratio(s: dict) -> str:
+    """A median ratio with the 95% interval of the median and the single runs' range."""
+    return (f"{s['median']:.2f}x (median's 95% interval {s['ci'][0]:.2f}-{s['ci'][1]:.2f}; single runs "
+            f"{s['min']:.2f}-{s['max']:.2f})")
+
+
 def format_comparison(c: dict) -> str:
     """The CLI's summary of ``compare``: decode-only and end-to-end speed-ups with spread, ceiling, compile."""
     ceiling_text = ("n/a (the roofline models DFlash steps only)" if c["ceiling"] is None
                     else f"{c['ceiling']:.2f}x")
-    lines = [f"[{c['method']} vs plain decoding on {c['backend']}, median (min-max) of {c['repeats']} warm runs each:",
+    lines = [f"[{c['method']} vs plain decoding on {c['backend']}, median (min-max) of {c['repeats']} warm runs each, "
+             f"paired run by run; load average {c['load_average']} on {os.cpu_count()} cores:",
              f" decode-only {_fmt(c['decode_tokens_per_s'], '')} tok/s vs {_fmt(c['baseline_decode_tokens_per_s'], '')}"
-             f" tok/s: speed-up {_fmt(c['decode_speedup'])}; end to end (prefill + decode) {_fmt(c['e2e_speedup'])}",
+             f" tok/s: speed-up {_fmt_ratio(c['decode_speedup'])}",
+             f" end to end (prefill + decode): speed-up {_fmt_ratio(c['e2e_speedup'])}",
              f" ceiling on this machine at tau {c['tau']:.2f}: {ceiling_text}; compile (apart) "
              f"{c['compile_s']['method']:.1f} s + {c['compile_s']['baseline']:.1f} s"]
     if c["greedy"] and not c["same_tokens"]:
@@ -414,15 +443,20 @@ def format_goals(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def busy_note() -> str | None:
     """A warning when other processes compete for the CPUs (load average above 1.5 x the cores): the
     timed runs are then noisy, however they are interleaved."""
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return None
+    load = load_average()
     cores = os.cpu_count() or 1
-    if load <= 1.5 * cores:
+    if load is None or load <= 1.5 * cores:
         return None
     return (f"the machine is busy (load average {load:.1f} on {cores} cores): other processes share the CPUs, "
             f"so single runs vary widely; read the spreads, and rerun on a quiet machine for firm figures")

@@ -178,7 +178,8 @@ def test_identical_work_reads_exactly_one_even_when_interleaving_evicts_caches()
     costs = {"dflash": (0.1, 1.0, 5.0), "ar": (0.1, 1.0, 5.0)}
     timing = bench.measure(_fake_runs(device, costs), 2, 3, clock=device.clock)
     ratio = bench.speedups(timing["dflash"], timing["ar"], 9, 9, 1)
-    assert ratio["decode"] == {"median": 1.0, "min": 1.0, "max": 1.0} and ratio["e2e"]["median"] == 1.0
+    assert ratio["decode"] == {"median": 1.0, "min": 1.0, "max": 1.0, "ci": [1.0, 1.0]}
+    assert ratio["e2e"]["median"] == 1.0
     assert timing["dflash"].decode_s == [2.0] * 3  # warm: no cold-cache penalty in any timed run
 
 
@@ -192,10 +193,13 @@ def test_identical_work_is_timed_through_one_compiled_program(hf_dense, monkeypa
     before = SpeculativeLoop.decode._cache_size()
     c = bench.compare(target, NoProposer(), (), runtime.AR, [[3, 4, 5]], max_new_tokens=4, sampling=SamplingConfig(),
                       stop_ids=(), seed=0, repeats=3, drafter_cfg=None, dtype="float32")
-    assert len(loops) == 2 * (2 + 2 * 3)  # per method: first + warm run, then an untimed + a timed run per repeat
+    # per method a first + a warm run, then one timed run per repeat; an untimed run precedes a timed one
+    # where the previous run was the other method's (order A B | B A | A B: 2 + 1 + 1 untimed runs)
+    assert len(loops) == 2 * 2 + 2 * 3 + 4
     assert len({id(loop) for loop in loops}) == 1 and SpeculativeLoop.decode._cache_size() - before <= 1
     assert c["same_tokens"] and c["tokens"] == c["baseline_tokens"] == 4 and c["ceiling"] == 1.0
-    assert c["repeats"] == 3 and set(c["decode_speedup"]) == {"median", "min", "max"}
+    assert c["repeats"] == 3 and set(c["decode_speedup"]) == {"median", "min", "max", "ci"}
+    assert "speed-up" in bench.format_comparison(c) and c["load_average"] is not None
 
 
 def test_goals_compare_the_step_with_its_floor_and_the_draft_scaling():
@@ -280,7 +284,14 @@ def test_profile_times_each_phase_warm():
 
 
 def test_spread():
-    assert bench.spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0}
+    assert bench.spread([1.0, 3.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "ci": [1.0, 3.0]}
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    # n = 15: P(Binomial(15, 1/2) <= 3) = 576 / 2**15 = 0.018 <= 0.025 < P(<= 4) = 0.059: ranks 4 and 12
+    assert bench.median_interval(list(range(1, 16))) == (4, 12)
+    assert bench.median_interval([5.0, 1.0, 3.0, 2.0, 4.0, 6.0, 7.0, 8.0]) == (1.0, 8.0)  # n = 8: only [min, max]
+    assert bench.median_interval(list(range(1, 10))) == (2, 8)  # n = 9: P(<= 1) = 10 / 512 = 0.0195
 
 
 def test_bench_writes_json_before_plotting_and_notes_missing_matplotlib(setup, capsys, monkeypatch):
