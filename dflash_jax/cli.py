@@ -1,7 +1,8 @@
-"""The ``dflash-jax`` command line: ``generate`` (the main job), ``bench`` and the training stages.
+"""The ``dflash-jax`` command line: ``generate`` (the main job), ``bench``, ``quantize`` and the training stages.
 
 Top of the data flow: ``generate`` checks every flag and input, loads a target and a proposer
-through ``runtime.py``, streams completions through ``speculative.stream`` and then times
+through ``runtime.py``, streams completions through ``speculative.stream`` (their text decoded as the
+tokens arrive, ``TextStream``) and then times
 speculative decoding against plain decoding with ``bench.py``'s measurement (the same compiled
 on-device loop, warm, repeated, interleaved). With no flags it runs the small models shipped in
 ``dflash_jax/assets`` on whatever JAX backend is present.
