@@ -1,9 +1,9 @@
 """What every front end does before decoding: model paths, tokenizer, prompt encoding, proposer choice.
 
 Sits between the library (``target.py``, ``drafter.py``, ``proposers.py``, ``mtp.py``) and its front
-ends: the ``dflash-jax`` command (``cli.py``), the benchmark client (``bench.py``), the acceptance
-table of the shipped models (``train/evaluate.py``) and the notebooks. They all resolve the default
-models, load and check the tokenizer, encode a prompt and turn a method string (``ar``, ``mtp:K``,
+ends: the ``dflash-jax`` command (``cli.py``), the benchmark client (``bench.py``, ``quant_report.py``)
+and the workloads' prompt files (``workloads.py``). They resolve the default models, load and check
+the tokenizer, encode a prompt, read JSONL prompt files and turn a method string (``ar``, ``mtp:K``,
 ``dflash:B``) into a proposer the same way, through this module. Errors are ``ValueError``s whose
 message names the flag, file or folder the user gave.
 """
