@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dflash_jax import sharding
 from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
@@ -45,6 +46,8 @@ def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start
     h = mtp.pre_fc_norm_hidden(hidden.astype(e.dtype))
     x = mtp.fc(jnp.concatenate([e, h], axis=-1))  # [B, T, D]; the order [embedding, hidden] is the checkpoint's
     x, kv = mtp.layers[0].attend(x, AttentionCache(k_cache, v_cache), start)
+    # On a mesh the cache keeps the target's KV-head layout inside propose's scan too (sharding.py).
+    kv = sharding.constrain_cache(kv, mtp.layers[0].self_attn.cfg)
     return mtp.norm(x), kv.k, kv.v
 
 

@@ -4,9 +4,11 @@ Sits beside the parameter trees (``target.py``, ``drafter.py``) and under the lo
 each tensor on its shards with ``param_shardings``, and the loop (``SpeculativeLoop(mesh=...)``)
 traces its phases under the mesh (``mesh_context``) and pins its state (caches, proposer state,
 per-row arrays) to ``state_shardings`` after init and every step (``pin_state``); inside jit, XLA's
-SPMD partitioner (GSPMD) splits the dense computation to match. The routed MoE experts are the one
-explicit ``shard_map`` (``over_experts``). Nothing here is specific to one device count: without a
-mesh (or on a 1x1x1 one) the code is the single-device code.
+SPMD partitioner (GSPMD) splits the dense computation to match. A cache written and read inside one
+phase (the MTP head's, in propose's scan) is pinned where it is written (``constrain_cache``). The
+explicit ``shard_map``s are the routed MoE experts (``over_experts``) and the per-head Pallas kernels
+(``kernels/dispatch.per_head``, on this table's layout). Nothing here is specific to one device
+count: without a mesh (or on a 1x1x1 one) the code is the single-device code.
 
 The mesh has three axes (``AXES``): ``data`` splits batch rows (data parallel), ``model`` splits
 heads, MLP width and vocabulary (tensor parallel, Megatron style: column-parallel in-projections,
@@ -64,8 +66,8 @@ RULES: dict[str, str | tuple[str, ...]] = {
 
 # Parameter path (dots, as in the HF checkpoint; weights [out, in]) -> logical axes per dimension.
 # First full match wins; unmatched parameters are replicated: norms, the MoE router, the drafter's fc
-# and the MTP fc, and the GDN in_proj_qkv / conv1d, whose channels concatenate q | k | v (a shard
-# of those rows would not hold whole heads).
+# and the MTP fc, and the GDN in_proj_qkv / conv1d, whose channels concatenate q | k | v (a contiguous
+# shard of those rows would not hold whole heads; BUILD.md's scale-out section says what it would take).
 # MXFP4 projections (quant.py) keep the rule of their weight for both tensors: the packed codes
 # ``weight`` [out, in/2] and ``weight_scale`` [out, in/32] split along the same logical axis (a
 # column shard of whole heads is a whole number of 32-input scale blocks at every real shape).
@@ -143,7 +145,7 @@ class Layout:
         axis = _used(self.mesh, RULES.get(logical))
         if axis is None:
             return None
-        size = _size(self.mesh, axis)
+        size = mesh_size(self.mesh, axis)
         units = self.counts.get(logical, dim)
         if (units is not None and units % size) or (dim is not None and dim % size):
             return None
@@ -162,9 +164,9 @@ class Layout:
         out = []
         for name, units in sorted(self.counts.items()):
             axis = _used(self.mesh, RULES[name])
-            if axis is not None and units % _size(self.mesh, axis):
+            if axis is not None and units % mesh_size(self.mesh, axis):
                 out.append(f"{name} ({units}) replicated: not divisible by the {axis} axis "
-                           f"({_size(self.mesh, axis)})")
+                           f"({mesh_size(self.mesh, axis)})")
         return out
 
 
@@ -175,7 +177,8 @@ def _used(mesh: Mesh, axis: str | tuple[str, ...] | None) -> str | tuple[str, ..
     return None if not names else names[0] if len(names) == 1 else names
 
 
-def _size(mesh: Mesh, axis: str | tuple[str, ...]) -> int:
+def mesh_size(mesh: Mesh, axis: str | tuple[str, ...]) -> int:
+    """Devices along a mesh axis (or the product over a tuple of axes)."""
     return int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
 
 
@@ -284,6 +287,29 @@ def pin_state(state, batch: int, mesh: Mesh | None, cfg: TargetConfig, proposer=
     return constrain_state(state, batch, target, draft)
 
 
+def traced_mesh():
+    """The mesh a loop phase traces under (``mesh_context``: JAX's abstract mesh), or None outside one and
+    inside a ``shard_map`` body (its axes are manual there: the code sees one device's shard)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not set(AXES) <= set(mesh.axis_names) or AxisType.Manual in mesh.axis_types:
+        return None
+    return mesh
+
+
+def constrain_cache(cache, cfg: TargetConfig | DrafterConfig):
+    """Inside a phase traced on a mesh: a ``CACHES`` pytree (e.g. an ``AttentionCache``) held in its table's
+    layout for ``cfg``'s heads (no-op outside one). For a cache written and read inside one phase, e.g. in a
+    scan's carry, where the loop's pins cannot reach: left alone, the partitioner splits replicated KV heads
+    like the head-sharded queries that read them, and the next pin gathers them back."""
+    mesh = traced_mesh()
+    if mesh is None:
+        return cache
+    layout, fields = Layout.of(cfg, mesh), CACHES[type(cache).__name__]
+    return dataclasses.replace(cache, **{
+        name: jax.lax.with_sharding_constraint(getattr(cache, name), NamedSharding(
+            mesh, layout.spec(axes, getattr(cache, name).shape))) for name, axes in fields.items()})
+
+
 def over_experts(routed, x: jax.Array, experts, router) -> jax.Array:
     """The routed-expert part of an MoE layer, expert-parallel when traced under a loop's mesh.
 
@@ -297,13 +323,13 @@ def over_experts(routed, x: jax.Array, experts, router) -> jax.Array:
     JAX's LLM examples: no token exchange, one all-reduce of [M, D] per layer, the cheaper choice at
     decode's few tokens per step).
     """
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = traced_mesh()
     num = jax.tree.leaves(nnx.state(experts))[0].shape[0]
-    axis = None if not set(AXES) <= set(mesh.axis_names) else Layout(mesh, {"experts": num}).mesh_axis("experts")
+    axis = None if mesh is None else Layout(mesh, {"experts": num}).mesh_axis("experts")
     if axis is None:
         return routed(x, experts, router, 0)
     (egraph, estate), (rgraph, rstate) = nnx.split(experts), nnx.split(router)
-    local = num // _size(mesh, axis)
+    local = num // mesh_size(mesh, axis)
     rows = Layout(mesh, {}).mesh_axis("batch", x.shape[0])
 
     def body(x, estate, rstate):

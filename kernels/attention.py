@@ -274,16 +274,23 @@ def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None,
         return attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale)
     run = functools.partial(attention_pallas, causal=causal, window=window, scale=scale,
                             interpret=mode == "interpret")
-    B, T = q.shape[:2]
-    if T <= MAX_QUERIES:
-        return run(q, k, v, q_start, kv_len)
-    # Prefill: the kernel's tile is built for T <= 16 queries, so run the prompt as consecutive
-    # 16-query verify-shaped calls (each sees the keys up to its own positions).
-    pad = -T % MAX_QUERIES
-    chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, MAX_QUERIES, *q.shape[2:])
-    starts = jnp.arange(chunks.shape[1], dtype=jnp.int32) * MAX_QUERIES
-    out = jax.lax.map(lambda c: run(c[0], k, v, q_start + c[1], kv_len), (jnp.moveaxis(chunks, 1, 0), starts))
-    return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
+
+    def pallas(q, k, v, q_start, kv_len):
+        B, T = q.shape[:2]
+        if T <= MAX_QUERIES:
+            return run(q, k, v, q_start, kv_len)
+        # Prefill: the kernel's tile is built for T <= 16 queries, so run the prompt as consecutive
+        # 16-query verify-shaped calls (each sees the keys up to its own positions).
+        pad = -T % MAX_QUERIES
+        chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, MAX_QUERIES, *q.shape[2:])
+        starts = jnp.arange(chunks.shape[1], dtype=jnp.int32) * MAX_QUERIES
+        out = jax.lax.map(lambda c: run(c[0], k, v, q_start + c[1], kv_len), (jnp.moveaxis(chunks, 1, 0), starts))
+        return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
+
+    # On a mesh: per device, on its rows and query heads (and their KV heads).
+    heads, kv = ("B", None, "N", None), ("B", None, "K", None)
+    return dispatch.per_head(pallas, (q, k, v, q_start, kv_len), (heads, kv, kv, ("B",), ("B",)), heads,
+                             heads=("heads", q.shape[2]), shared=("kv_heads", k.shape[2]))
 
 
 # Real Qwen3.5 attention shapes: (N, K, H, causal). The drafter attends non-causally over context + block.

@@ -444,12 +444,22 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), inter
 # Dispatching entry points
 
 
+# Dimension labels for ``dispatch.per_head`` (on a mesh: per device, on its rows and value heads)
+_QK, _V, _GATE, _STATE = ("B", None, "K", None), ("B", None, "N", None), ("B", None, "N"), ("B", "N", None, None)
+
+
+def _per_head(fn, args, labels, out_labels, k, v):
+    return dispatch.per_head(fn, args, labels, out_labels, heads=("v_heads", v.shape[2]),
+                             shared=("k_heads", k.shape[2]))
+
+
 def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
     """Whole-prompt GDN; same contract as ``gdn_chunked_reference``: (o [B,T,Hv,Dv] f32, state)."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_chunked_reference(q, k, v, g, beta, state)
-    return gdn_chunked_pallas(q, k, v, g, beta, state, interpret=mode == "interpret")
+    run = functools.partial(gdn_chunked_pallas, interpret=mode == "interpret")
+    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), (_V, _STATE), k, v)
 
 
 def gdn_verify(q, k, v, g, beta, state, *, impl=None):
@@ -457,7 +467,8 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None):
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_verify_reference(q, k, v, g, beta, state)
-    return gdn_verify_pallas(q, k, v, g, beta, state, interpret=mode == "interpret")
+    run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
+    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), _V, k, v)
 
 
 def gdn_replay(k, v, g, beta, state, n, *, impl=None):
@@ -465,7 +476,8 @@ def gdn_replay(k, v, g, beta, state, n, *, impl=None):
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_replay_reference(k, v, g, beta, state, n)
-    return gdn_replay_pallas(k, v, g, beta, state, n, interpret=mode == "interpret")
+    run = functools.partial(gdn_replay_pallas, interpret=mode == "interpret")
+    return _per_head(run, (k, v, g, beta, state, n), (_QK, _V, _GATE, _GATE, _STATE, ("B",)), _STATE, k, v)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,12 @@ some fall back to replicated), a DFlash drafter and the MTP head, and compares g
 DFlash and MTP decoding on (data x model x expert) meshes with the single-device outputs. It checks
 the compiled program (prefill + the decode loop) for all-gathers of whole or partly gathered weights,
 caches or logits, and that a checkpoint loaded onto a mesh equals the one loaded on one device.
-The fast set is two decode cases and one load; the full matrix is ``slow``.
+"pallas" cases run the Pallas kernels (interpreted on a CPU: ``pallas_mode``) on the mesh, each in
+``shard_map`` over its rows and heads (``kernels/dispatch.per_head``), against the same kernels on one
+device; "kernels" cases do the same for each per-head kernel alone, on inputs in the table's layout,
+and check that the compiled program moves nothing. The fast set is two decode cases, one load and
+the kernels on two meshes (1x8: KV and key heads sliced per device; 2x2x2: both split); the full
+matrix, with the decode loops on Pallas kernels, is ``slow``.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pallas_mode import MODE
 
 VOCAB = 160  # divisible by 8, and no other dimension of the tiny models has this size
 # Two layers (one Gated DeltaNet, one full attention) and the MTP layer: the smallest target with every
@@ -80,7 +86,7 @@ def _method(method: str, target, drafter):
         return NoProposer(), (), 1
     if method == "dflash":
         return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params, 4
-    return MTPProposer(target.cfg, 3), mtp_params(target), 4
+    return MTPProposer.of(target, 3), mtp_params(target), 4
 
 
 def _mesh(shape):
@@ -89,8 +95,9 @@ def _mesh(shape):
     return sharding.make_mesh(**dict(zip(("data", "model", "expert"), shape, strict=True)))
 
 
-def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
-    """Greedy tokens on the mesh vs one device; with ``hlo``, the compiled program's gathers too."""
+def _generate(kind, method, mesh_shape, models, refs, hlo: bool, kernels: str = "reference"):
+    """Greedy tokens on the mesh vs one device (both in kernel mode ``kernels``); with ``hlo``, the
+    compiled program's gathers too."""
     import jax
     import numpy as np
 
@@ -98,19 +105,20 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool):
     from dflash_jax.speculative import SpecConfig, SpeculativeLoop
 
     target, drafter, tokens, lengths = models[kind]
-    proposer, pparams = _method(method, target, drafter)[:2]
-    spec = SpecConfig(block_size=_method(method, target, drafter)[2], max_new_tokens=MAX_NEW, stop_ids=())
-    if (kind, method) not in refs:
+    target, drafter = target.with_kernels(kernels), drafter.with_kernels(kernels)
+    proposer, pparams, block = _method(method, target, drafter)
+    spec = SpecConfig(block_size=block, max_new_tokens=MAX_NEW, stop_ids=())
+    if (kind, method, kernels) not in refs:
         loop = SpeculativeLoop.of(target, proposer, spec)
-        refs[kind, method] = np.asarray(loop.run((target.params, pparams), tokens, lengths, 0).tokens)
+        refs[kind, method, kernels] = np.asarray(loop.run((target.params, pparams), tokens, lengths, 0).tokens)
     mesh = _mesh(mesh_shape)
     loop = SpeculativeLoop.of(target, proposer, spec, mesh)
     params = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
     rows = sharding.shard_rows(mesh, tokens, lengths)
     compiled = SpeculativeLoop.run.lower(loop, params, *rows, 0).compile()  # one compile: run and inspect
     got = np.asarray(compiled(params, *rows, 0).tokens)
-    out = {"equal": bool((got == refs[kind, method]).all()), "got": got.tolist(),
-           "want": refs[kind, method].tolist()}
+    want = refs[kind, method, kernels]
+    out = {"equal": bool((got == want).all()), "got": got.tolist(), "want": want.tolist()}
     if hlo:
         state = jax.eval_shape(lambda: loop.init(params, *rows, 0))
         state_sh = sharding.state_shardings(state, len(lengths), *sharding.layouts(mesh, target.cfg, proposer))
@@ -188,6 +196,56 @@ def _load(kind, mesh_shape, tmp: Path):
     return {"problems": problems, "sharded": sharded}
 
 
+def _kernels(mesh_shape) -> dict:
+    """Each per-head Pallas kernel (interpreted) on the mesh, its inputs laid out by the table, against
+    the same kernel on one device: the largest difference, and the collectives of the compiled program."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax import kernels, sharding
+
+    r = np.random.default_rng(0)
+    B, T, S, N, K, H, Hk, Hv, Dk = 8, 3, 24, 8, 2, 16, 4, 8, 8  # KV 2 and key heads 4: sliced at model 8
+
+    def normal(*shape):
+        return jnp.asarray(r.normal(size=shape), jnp.float32)
+
+    g = -jnp.abs(normal(B, T, Hv))
+    args = dict(q=normal(B, T, N, H), k=normal(B, S, K, H), v=normal(B, S, K, H),
+                start=jnp.asarray(r.integers(0, S - T, B), jnp.int32), gq=normal(B, T, Hk, Dk),
+                gk=normal(B, T, Hk, Dk) * 0.3, gv=normal(B, T, Hv, Dk), g=g, beta=jax.nn.sigmoid(g),
+                state=normal(B, Hv, Dk, Dk), n=jnp.asarray(r.integers(0, T + 1, B), jnp.int32))
+    axes = dict(q=("batch", None, "heads", None), k=("batch", None, "kv_heads", None),
+                v=("batch", None, "kv_heads", None), start=("batch",), gq=("batch", None, "k_heads", None),
+                gk=("batch", None, "k_heads", None), gv=("batch", None, "v_heads", None),
+                g=("batch", None, "v_heads"), beta=("batch", None, "v_heads"),
+                state=("batch", "v_heads", None, None), n=("batch",))
+
+    def run(a):
+        return (kernels.attention(a["q"], a["k"], a["v"], a["start"], a["start"] + T, impl=MODE),
+                kernels.gdn_verify(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE),
+                kernels.gdn_replay(a["gk"], a["gv"], a["g"], a["beta"], a["state"], a["n"], impl=MODE),
+                kernels.gdn_chunked(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE))
+
+    want = jax.jit(run)(args)
+    mesh = _mesh(mesh_shape)
+    layout = sharding.Layout(mesh, {"heads": N, "kv_heads": K, "v_heads": Hv, "k_heads": Hk})
+    placed = {name: jax.device_put(x, layout.sharding(axes[name], x.shape)) for name, x in args.items()}
+
+    @jax.jit
+    def sharded(a):
+        with sharding.mesh_context(mesh):
+            return run(a)
+
+    compiled = sharded.lower(placed).compile()
+    got = compiled(placed)
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                                                             strict=True))
+    jax.clear_caches()
+    return {"diff": diff, "collectives": [c["op"] for c in sharding.collectives(compiled.as_text())]}
+
+
 def worker(cases: list[list], tmp: str) -> dict:
     import jax
 
@@ -197,12 +255,15 @@ def worker(cases: list[list], tmp: str) -> dict:
         start = time.perf_counter()
         name = _case_name(case)
         what, kind = case[0], case[1]
-        if kind not in models:
+        if kind not in models and what != "kernels":
             models[kind] = _setup(kind)
         if what == "load":
             results[name] = _load(kind, tuple(case[2]), Path(tmp))
-        else:
-            results[name] = _generate(kind, case[2], tuple(case[3]), models, refs, hlo=what == "hlo")
+        elif what == "kernels":
+            results[name] = _kernels(tuple(case[2]))
+        else:  # "pallas": the Pallas kernels (interpreted on CPU), run per device (kernels/dispatch.py)
+            results[name] = _generate(kind, case[2], tuple(case[3]), models, refs, hlo=what != "gen",
+                                      kernels=MODE if what == "pallas" else "reference")
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
     return results
 
@@ -231,15 +292,22 @@ def _case_name(case) -> str:
     return "/".join("x".join(map(str, c)) if isinstance(c, list) else str(c) for c in case)
 
 
-FAST = [["hlo", "dense", "dflash", [2, 4, 1]], ["hlo", "moe", "mtp", [1, 2, 4]], ["load", "moe", [2, 2, 2]]]
+FAST = [["hlo", "dense", "dflash", [2, 4, 1]], ["hlo", "moe", "mtp", [1, 2, 4]], ["load", "moe", [2, 2, 2]],
+        ["kernels", "pallas", [1, 8, 1]], ["kernels", "pallas", [2, 2, 2]]]
 # Every (kind, method, mesh): the (1, 8, 1) ones also check the compiled program's gathers.
 FULL = ([["hlo" if mesh == (1, 8, 1) else "gen", kind, method, list(mesh)]
          for kind in ("dense", "moe") for method in METHODS for mesh in MESHES]
         + [["gen", "moe", method, list(mesh)] for method in METHODS for mesh in EXPERT_MESHES]
-        + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8, 1), (4, 2, 1))])
+        + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8, 1), (4, 2, 1))]
+        + [["pallas", "dense", "dflash", [1, 8, 1]], ["pallas", "dense", "mtp", [2, 4, 1]],
+           ["pallas", "moe", "plain", [2, 2, 2]]])
 
 
 def _check(case, result):
+    if case[0] == "kernels":  # per device, on inputs already in the table's layout: nothing moves
+        assert result["diff"] <= 1e-6, result
+        assert not result["collectives"], result
+        return
     if case[0] == "load":
         assert not result["problems"], result["problems"]
         # the big matrices split: embedding, LM head, attention, GDN value heads (and experts: MoE)
@@ -269,15 +337,8 @@ def full(tmp_path_factory):
     return run_worker(FULL, tmp_path_factory.mktemp("sharding_full"), FULL_TIMEOUT)
 
 
-# Known gap: with KV heads the model axis does not divide (2 on 8), the partitioner lays the MTP head's
-# K/V cache out like the head-sharded queries inside propose, and the loop's pin after draft gathers it
-# back ([B, S, K, H] per step). DFlash's drafter cache no longer does (the same pin fixed it).
-_MTP_GATHER = pytest.mark.xfail(strict=True, reason="MTP cache with replicated KV heads is gathered per step")
-FULL_PARAMS = [pytest.param(c, marks=_MTP_GATHER) if c[0] == "hlo" and c[2] == "mtp" else c for c in FULL]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("case", FULL_PARAMS, ids=_case_name)
+@pytest.mark.parametrize("case", FULL, ids=_case_name)
 def test_sharded_full(full, case):
     _check(case, full[_case_name(case)])
 
