@@ -78,7 +78,9 @@ def test_identical_work_reads_one(capsys):
                      "--quiet", "--json"]) == 0
     t = json.loads(capsys.readouterr().out)["timings"]
     assert t["method"] == "ar" and t["same_tokens"] and t["ceiling"] == 1.0 and t["tokens"] == t["baseline_tokens"]
-    assert t["repeats"] == 2 and set(t["decode_speedup"]) == {"median", "min", "max"}
+    assert t["repeats"] == 2 and set(t["decode_speedup"]) == {"median", "min", "max", "ci"}
+    assert t["decode_speedup"]["min"] <= t["decode_speedup"]["ci"][0] <= t["decode_speedup"]["median"] \
+        <= t["decode_speedup"]["ci"][1] <= t["decode_speedup"]["max"]
 
 
 def test_errors_name_the_problem(tmp_path, capsys):
