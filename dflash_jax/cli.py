@@ -195,12 +195,17 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _take(self, final: bool) -> None:
+    def _take(self, final: bool) -> str:
+        """Appends the window's new characters unless they end in an incomplete one (``final``: anyway);
+        returns the complete characters still waiting in front of an incomplete one."""
         before = self._decode(self.tokens[self._start:self._done])
-        window = self._decode(self.tokens[self._start:])
-        if len(window) > len(before) and (final or not window.endswith("\ufffd")):
-            self.text += window[len(before):]
-            self._start, self._done = self._done, len(self.tokens)
+        new = self._decode(self.tokens[self._start:])[len(before):]
+        if final or not new.endswith("\ufffd"):
+            if new:
+                self.text += new
+                self._start, self._done = self._done, len(self.tokens)
+            return ""
+        return new.rstrip("\ufffd")
 
     def extend(self, tokens) -> None:
         """Adds tokens (ignored once stopped), one at a time so a stop ends at the token completing it."""
@@ -209,12 +214,13 @@ class TextStream:
                 return
             self.tokens.append(int(token))
             old = len(self.text)
-            self._take(final=False)
-            if self.stops and len(self.text) > old:
+            waiting = self._take(final=False)  # a token may complete a stop and start a character
+            seen = self.text + waiting if waiting else self.text
+            if self.stops and len(seen) > old:
                 tail = max(0, old - self._held)  # a stop can only end in the new characters
-                hits = [i for i in (self.text.find(s, tail) for s in self.stops) if i >= 0]
+                hits = [i for i in (seen.find(s, tail) for s in self.stops) if i >= 0]
                 if hits:
-                    self.text, self.stopped = self.text[:min(hits)], True
+                    self.text, self.stopped = seen[:min(hits)], True
 
     def finish(self) -> None:
         """The stream ended: a held-back incomplete character is added as the decoder shows it."""

@@ -209,23 +209,65 @@ def test_streamed_text_is_the_full_decode_and_incremental(chunk):
         "\ufffd" in tok.decode([t]) for t in tok.encode(MULTIBYTE))  # characters do split over tokens
 
 
+def _reference_stop(tok, tokens, stops):
+    """The definition: (the first n whose decode holds a stop, that decode cut before its earliest stop), or None."""
+    for n in range(1, len(tokens) + 1):
+        text = tok.decode(tokens[:n], skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return n, text[:min(hits)]
+    return None
+
+
+def _check_stops(tok, tokens, stops, chunks=(1, 5)):
+    ref = _reference_stop(tok, tokens, stops)
+    for chunk in chunks:
+        text, shown = _stream(tok, tokens, chunk, stops)
+        if ref is None:
+            assert not text.stopped and text.text == tok.decode(tokens, skip_special_tokens=True) == shown
+        else:
+            assert text.stopped and (len(text.tokens), text.text) == ref and shown == text.text
+            assert not any(s in shown for s in stops)
+
+
 @pytest.mark.skipif(not (ASSETS / "target" / "tokenizer.json").is_file(), reason="shipped tokenizer absent")
 @pytest.mark.parametrize("stops", [("日本",), ("* 2", "ü'"), ("return", "turn '日"), ("🎉",), ("\n\n",)])
 def test_stop_strings_end_at_the_token_completing_them(stops):
     """Against the definition: the first n whose decode holds a stop; the text ends before the earliest one."""
     tok = _shipped_tokenizer()
-    tokens = tok.encode(MULTIBYTE, add_special_tokens=False)
-    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    hit = next((n for n in range(1, len(tokens) + 1) if any(s in decode(tokens[:n]) for s in stops)), None)
-    for chunk in (1, 5):
-        text, shown = _stream(tok, tokens, chunk, stops)
-        if hit is None:
-            assert not text.stopped and text.text == decode(tokens)
-            continue
-        want = decode(tokens[:hit])
-        assert text.stopped and text.tokens == tokens[:hit]
-        assert text.text == want[:min(want.find(s) for s in stops if s in want)] == shown
-        assert not any(s in shown for s in stops)
+    _check_stops(tok, tok.encode(MULTIBYTE, add_special_tokens=False), stops)
+
+
+class _ByteTokenizer:
+    """Byte-level tokens by hand: an id is a byte string that may end inside a character (Qwen's vocabulary
+    has such tokens, e.g. a space and the first byte of a CJK character); decoding joins the bytes and
+    replaces invalid UTF-8, as the ByteLevel decoder does."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, **kw):
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_a_token_that_completes_a_stop_and_starts_a_character():
+    tok = _ByteTokenizer([b"x", b" \xe6", b"\x97\xa5", b"y"])  # [0, 1, 2, 3] decodes to "x 日y"
+    _check_stops(tok, [0, 1, 2, 3], ("x ",))  # complete at token 1, whose second byte starts 日
+    assert _reference_stop(tok, [0, 1, 2, 3], ("x ",)) == (2, "")
+    for stops in (("日",), ("y",), (" 日y", "日y"), ("z",)):
+        _check_stops(tok, [0, 1, 2, 3], stops)
+    import random
+
+    rand = random.Random(0)
+    pool = [b"a", b" ", b"\xe6", b"\x97", b"\xa5", b"\xf0\x9f", b"\x8e\x89", b"\xc3", b"\xa9b", b"\xff", b"ab "]
+    tok = _ByteTokenizer(pool)
+    for _ in range(30):
+        tokens = [rand.randrange(len(pool)) for _ in range(rand.randrange(1, 40))]
+        full = tok.decode(tokens)
+        text, shown = _stream(tok, tokens, rand.randrange(1, 6))
+        assert text.text == full == shown
+        start = rand.randrange(len(full))
+        _check_stops(tok, tokens, (full[start:start + rand.randrange(1, 4)].strip("\ufffd") or "a",))
 
 
 def test_out_of_range_seed_and_bad_stop_ids_are_argparse_errors(capsys):
