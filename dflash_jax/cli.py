@@ -177,10 +177,11 @@ class TextStream:
     Each token decodes only the tokens since the last complete character (and the run before them, so a
     tokenizer that strips a leading space strips it on both decodes alike), never the whole list: O(n)
     decoding over a completion, not O(n^2). A decode ending in U+FFFD (a multi-byte character split over
-    tokens) waits for the next token. ``text`` is ``tokenizer.decode(tokens)`` (special tokens skipped,
-    no clean-up of spaces, which could rewrite text already shown) up to a held-back incomplete
-    character; ``text[:settled]`` is the part no later token can change (the last
-    ``len(longest stop) - 1`` characters may still turn out to start a stop string).
+    tokens) waits for the next token (a stop string in front of it is found at once). ``text`` is
+    ``tokenizer.decode(tokens)`` (special tokens skipped, no clean-up of spaces, which could rewrite
+    text already shown) up to a held-back incomplete character; ``text[:settled]`` is the part no later
+    token can change (the last ``len(longest stop) - 1`` characters may still turn out to start a stop
+    string).
     """
 
     def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
