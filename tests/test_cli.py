@@ -270,6 +270,24 @@ def test_a_token_that_completes_a_stop_and_starts_a_character():
         _check_stops(tok, tokens, (full[start:start + rand.randrange(1, 4)].strip("\ufffd") or "a",))
 
 
+def test_stops_with_a_trained_byte_level_tokenizer():
+    """The same with the tokenizers library's own BPE and decoder: trained on CJK text, it merges a space with
+    the first bytes of 日 (token "ĠæĹ"), as large byte-level vocabularies do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    bpe.train_from_iterator(["x 日本 語 ok 日本語 — é"] * 50,
+                            trainers.BpeTrainer(vocab_size=262, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    tokens = tok.encode("x 日本 語 ok x 日本語 — é", add_special_tokens=False)
+    assert any(tok.decode([t]).rstrip("\ufffd") and tok.decode([t]).endswith("\ufffd") for t in tokens)
+    assert _stream(tok, tokens, 1)[0].text == tok.decode(tokens)
+    for stops in (("x ",), ("日本",), (" 語", "ok x"), ("— é",), ("q",)):
+        _check_stops(tok, tokens, stops)
+
+
 def test_out_of_range_seed_and_bad_stop_ids_are_argparse_errors(capsys):
     for argv, match in ((["--seed", str(2**31)], "expected an integer in 0..2147483647"),
                         (["--seed", "-1"], "expected an integer in 0..2147483647"),
