@@ -1,0 +1,61 @@
+"""Prefill and compile measurements (scaling.py) on tiny shapes: what they time and report, never how fast."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from dflash_jax import scaling, synthetic
+
+TINY = (dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=32, num_hidden_layers=4,
+             intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
+        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+             intermediate_size=64, vocab_size=128, block_size=4, num_target_layers=4,
+             dflash_config=dict(mask_token_id=1, target_layer_ids=[1, 2])))
+
+
+def test_prefill_table_is_linear_against_the_first_length():
+    rows = [dict(length=8, median_s=1.0, min_s=0.5, max_s=2.0, ms_per_token=125.0, compile_s=3.0, scores_bytes=2**20),
+            dict(length=16, median_s=4.0, min_s=4.0, max_s=4.0, ms_per_token=250.0, compile_s=3.0, scores_bytes=2**21)]
+    lines = scaling.format_prefill(rows).splitlines()
+    assert lines[2] == "| 8 | 1000.0 (500.0-2000.0) | 125.000 | 1.00x | 3.0 | 1 MiB |"
+    assert lines[3].startswith("| 16 | 4000.0 (4000.0-4000.0) | 250.000 | 2.00x |")  # 4 s where linear says 2 s
+
+
+def test_depth_configs_keep_the_widths_and_spread_the_taps():
+    raw_target, raw_drafter = synthetic.REAL_SHAPES["27b"]
+    t, d = scaling.depth_configs(raw_target, raw_drafter, 8)
+    cfg, dcfg = synthetic.target_config(t), synthetic.drafter_config(d)
+    assert cfg.num_hidden_layers == 8 and cfg.hidden_size == 5120
+    assert cfg.layer_types.count("full_attention") == 2
+    assert dcfg.target_layer_ids == (1, 2, 3, 4, 5) and dcfg.num_target_layers == 8
+    t64, d64 = scaling.depth_configs(raw_target, raw_drafter, 64)
+    assert synthetic.drafter_config(d64).target_layer_ids == (1, 16, 31, 46, 61)  # the real drafter's taps
+    with pytest.raises(ValueError, match="multiple of the attention interval 4"):
+        scaling.depth_configs(raw_target, raw_drafter, 6)
+
+
+@pytest.mark.slow
+def test_loop_compile_is_timed_in_stages():
+    r = scaling.loop_compile_seconds(*TINY, block=4, prompt_len=8, max_new=8, dtype=jnp.float32)
+    assert r["layers"] == 4 and r["stablehlo_ops"] > 100
+    assert min(r["trace_s"], r["lower_s"], r["compile_s"], r["cpu_s"]) > 0
+    assert r["total_s"] == pytest.approx(r["trace_s"] + r["lower_s"] + r["compile_s"])
+
+
+@pytest.mark.slow  # two prefill programs compiled (~20 s idle, minutes on the loaded 2-core box)
+def test_main_times_each_prefill_length_apart(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(scaling, "prefill_target", lambda name: synthetic.random_target(TINY[0], dtype=jnp.float32))
+    out = tmp_path / "s.json"
+    assert scaling.main(["--lengths", "8,16", "--repeats", "2", "--layers", "", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| 8 |" in text and "| 16 |" in text and "DFlash loop" not in text
+    rows = json.loads(out.read_text())["prefill"]["rows"]
+    assert [r["length"] for r in rows] == [8, 16]
+    for r in rows:
+        assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["compile_s"] >= 0
+        assert r["ms_per_token"] == pytest.approx(1e3 * r["median_s"] / r["length"])
+        assert r["scores_bytes"] == 4 * 2 * r["length"] * (r["length"] + scaling.EXTRA)  # [B=1, N=2, P, P + 256] f32
