@@ -7,14 +7,10 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax import scaling, synthetic
+from dflash_jax import regime, scaling, synthetic
 
-TINY = (dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden_size=32, num_hidden_layers=4,
-             intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-             linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16),
-        dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-             intermediate_size=64, vocab_size=128, block_size=4, num_target_layers=4,
-             dflash_config=dict(mask_token_id=1, target_layer_ids=[1, 2])))
+# width 32, 4 layers (3 Gated DeltaNet + 1 attention), MLP 64; 2 query heads over 1 KV head of 16
+TINY = (regime._hybrid(32, 4, 64, (2, 1, 16), (1, 2, 16)), regime._drafter(32, 4, (2, 1, 16), 64))
 
 
 def test_prefill_table_is_linear_against_the_first_length():
