@@ -1,8 +1,8 @@
 """Tiny Qwen3.5 checkpoints written by transformers itself: the oracle every target test compares to.
 
-Also: ``gpu``-marked tests are skipped (with the reason) unless JAX runs on a GPU. torch is imported
-only by the fixtures that need it, so torch-free tests still run where torch is missing; a test
-using those fixtures is skipped there instead.
+Also: ``gpu``-marked tests are skipped (with the reason) unless JAX runs on a GPU. torch, when installed,
+is imported first (before JAX compiles anything; imported lazily it made XLA's CPU compiler crash); where it
+is missing the torch-free tests still run and the oracle fixtures skip themselves.
 """
 
 from __future__ import annotations

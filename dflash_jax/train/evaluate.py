@@ -12,9 +12,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import workloads
+from dflash_jax import runtime, workloads
 from dflash_jax.drafter import load_drafter
-from dflash_jax.mtp import MTPProposer, mtp_params
 from dflash_jax.speculative import generate
 from dflash_jax.target import load_target
 from dflash_jax.train import corpus
@@ -38,14 +37,11 @@ def acceptance_table(assets: str | Path, *, n_prompts: int = 16, max_new_tokens:
     drafter = load_drafter(assets / "drafter", target, progress=False)
     source, prompts = eval_prompts(tk.load(assets / "target"), n_prompts)
     table = {"prompts": source, "max_new_tokens": max_new_tokens, "dflash": {}, "mtp": {}}
-    for block in (4, 8, 16):
-        out = generate(target, prompts, drafter=drafter, block_size=block, max_new_tokens=max_new_tokens,
-                       stop_ids=())
-        table["dflash"][block] = float(np.mean(np.asarray(out.tau)))
-        print(f"[eval] DFlash block {block}: tau {table['dflash'][block]:.3f}", flush=True)
-    for steps in (3, 7, 15):
-        out = generate(target, prompts, drafter=(MTPProposer.of(target, steps), mtp_params(target)),
-                       block_size=steps + 1, max_new_tokens=max_new_tokens, stop_ids=())
-        table["mtp"][steps] = float(np.mean(np.asarray(out.tau)))
-        print(f"[eval] MTP {steps} steps: tau {table['mtp'][steps]:.3f}", flush=True)
+    for name in ("dflash:4", "dflash:8", "dflash:16", "mtp:3", "mtp:7", "mtp:15"):
+        method = runtime.parse_method(name)
+        out = generate(target, prompts, drafter=runtime.proposer_for(method, target, drafter),
+                       block_size=method.block, max_new_tokens=max_new_tokens, stop_ids=())
+        depth = method.block if method.kind == "dflash" else method.block - 1  # block size / MTP steps
+        table[method.kind][depth] = float(np.mean(np.asarray(out.tau)))
+        print(f"[eval] {name}: tau {table[method.kind][depth]:.3f}", flush=True)
     return table
