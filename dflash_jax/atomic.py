@@ -6,7 +6,8 @@ moved over ``NAME`` in one rename (for a directory that replaces an existing one
 then the old content is removed). An interrupted writer therefore leaves the previous ``NAME``
 untouched, plus at most a stray hidden temporary. A directory writer holds an exclusive lock
 (``.NAME.lock`` beside it) for the whole write: a second concurrent writer fails at once with
-``WriteError`` instead of mixing its files with the first one's. ``write_manifest`` /
+``WriteError`` instead of mixing its files with the first one's, and a write refuses an output that is
+or holds the checkpoint it reads (``source``: replacing the output would delete it). ``write_manifest`` /
 ``verify_manifest`` give a directory a list of its files with sizes and SHA-256s: the sizes are checked
 before every read (a truncated or missing file), the checksums when asked (a full extra read of the data).
 """
@@ -121,23 +122,44 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
-@contextlib.contextmanager
-def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | None = None,
-                     what: str = "output") -> Iterator[Path]:
-    """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` whole.
+def check_replaceable(path: str | Path, *, replaces: Callable[[Path], bool] | None = None, what: str = "output",
+                      source: str | Path | None = None) -> Path:
+    """The checks ``directory_writer`` makes before it writes, on their own (a long job makes them first, so
+    that an output it may not write fails before the work, not after); returns ``path`` absolute.
 
-    On an exception (or a kill) the previous ``path`` stays as it was. Raises ``WriteError`` when the
-    parent cannot be written, ``path`` is a file, another process is writing ``path`` now, or ``path``
-    is a non-empty directory for which ``replaces(path)`` is false (a folder of the user's that a
-    ``what`` must not wipe).
+    Raises ``WriteError`` when ``path`` is or holds the checkpoint ``source`` that the write reads (symlinks
+    resolved: replacing ``path`` would delete it), ``path`` is a file, a non-empty directory for which
+    ``replaces(path)`` is false (a folder of the user's that a ``what`` must not wipe), or in a parent that
+    cannot be written.
     """
     path = Path(path).absolute()
+    if source is not None:
+        source = Path(source).absolute()
+        real_path, real_source = path.resolve(), source.resolve()
+        if real_source.is_relative_to(real_path):
+            links = "" if (real_path, real_source) == (path, source) else \
+                f" (with symlinks resolved: {real_path} and {real_source})"
+            raise WriteError(f"the {what} {path} is or holds the source checkpoint {source}{links}; replacing it "
+                             "would delete the source: write to another directory")
     if path.exists() and not path.is_dir():
         raise WriteError(f"{path} exists and is not a directory")
     if replaces is not None and path.is_dir() and any(path.iterdir()) and not replaces(path):
         raise WriteError(f"{path} is a non-empty directory that is not a {what}; refusing to replace it "
                          "(write to a new or empty directory)")
     check_writable(path.parent)
+    return path
+
+
+@contextlib.contextmanager
+def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | None = None,
+                     what: str = "output", source: str | Path | None = None) -> Iterator[Path]:
+    """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` whole.
+
+    On an exception (or a kill) the previous ``path`` stays as it was. Refuses (``WriteError``) what
+    ``check_replaceable`` refuses, before anything is written, and while another process is writing
+    ``path``. A write that reads a checkpoint directory passes it as ``source``.
+    """
+    path = check_replaceable(path, replaces=replaces, what=what, source=source)
     lock_file = path.with_name(f".{path.name}.lock")
     with open(lock_file, "a") as lock:
         try:

@@ -322,6 +322,11 @@ def _tensors(params, dtype) -> dict[str, np.ndarray]:
     return out
 
 
+def _is_checkpoint(path: Path) -> bool:
+    """What ``save_quark`` may replace: an earlier checkpoint (a folder of the user's it refuses)."""
+    return (path / "config.json").is_file()
+
+
 def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, shard_bytes: int = 4 << 30) -> None:
     """Writes a quantized target (``convert(target, True, qcfg)``) as a Hugging Face checkpoint in
     AMD Quark's MXFP4 layout: config.json from ``source`` plus Quark's ``quantization_config``,
@@ -340,8 +345,6 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
     if state is None or set(state["quantized"]) != quantized:
         raise ValueError("save_quark: the target is not quantized per this QuantConfig; pass "
                          "quant.convert(target, True, qcfg)")
-    if out.absolute() == source.absolute():
-        raise ValueError(f"save_quark: the output {out} is the source checkpoint; write to another directory")
     raw, _ = read_config_json(source)
     raw["quantization_config"] = qcfg.to_hf(exclude=(*qcfg.exclude, *skipped))
     raw.pop("torch_dtype", None)
@@ -355,7 +358,7 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
         shards[-1].append(key)
         size += a.nbytes
     # Whole or nothing: an interrupted write leaves the previous ``out`` as it was.
-    with atomic.directory_writer(out, replaces=lambda p: (p / "config.json").is_file(), what="checkpoint") as tmp:
+    with atomic.directory_writer(out, replaces=_is_checkpoint, what="checkpoint", source=source) as tmp:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for f in source.iterdir():
             if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
@@ -387,6 +390,8 @@ def quantize_checkpoint(model, out, *, exclude: tuple[str, ...] = (), input_scal
     from dflash_jax.target import load_target  # target.py imports this module
 
     cfg_raw, source = read_config_json(model)
+    # Refused now, not after the load and the quantization: the checks save_quark's write makes.
+    atomic.check_replaceable(out, replaces=_is_checkpoint, what="checkpoint", source=model)
     if cfg_raw.get("quantization_config") is not None:
         raise ConfigError(f"{source}: quantization_config is already set; quantize reads a dense checkpoint")
     if dtype is None:

@@ -323,16 +323,14 @@ def save_converted(target: Target, source: str | Path, path: str | Path) -> None
     ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``.
 
     The copy replaces ``path`` atomically (``atomic.directory_writer``: an interrupted write keeps the
-    previous copy, a concurrent second writer fails) and carries a manifest of its files' checksums,
-    verified on load."""
-    source, path = Path(source), Path(path)
-    if source.resolve().is_relative_to(path.resolve()):
-        raise atomic.WriteError(f"save_converted: {path} holds the source checkpoint {source}; "
-                                "write the converted copy to another directory")
+    previous copy, a concurrent second writer fails, a ``path`` that is or holds ``source`` is refused) and
+    carries a manifest of its files' checksums, verified on load."""
+    source = Path(source)
+
     def converted(p: Path) -> bool:  # an earlier copy (finished or not) may be replaced, a user's folder not
         return (p / CONVERTED).is_dir() or (p / atomic.MANIFEST).is_file()
 
-    with atomic.directory_writer(path, replaces=converted, what="converted copy") as tmp:
+    with atomic.directory_writer(path, replaces=converted, what="converted copy", source=source) as tmp:
         for f in source.iterdir():
             if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
                 shutil.copy(f, tmp / f.name)

@@ -201,3 +201,45 @@ def test_replacing_without_an_atomic_exchange(tmp_path, monkeypatch):
         with atomic.directory_writer(d) as tmp:
             (tmp / "a").write_text(content)
         assert _tree(d) == {"a": content.encode()} and _siblings(d) == []
+
+
+def _checkpoint(root):
+    """A parent folder that looks like a replaceable output (a config.json) holding a checkpoint ``src``."""
+    (root / "src").mkdir(parents=True)
+    (root / "config.json").write_text("{}")
+    (root / "src" / "model.safetensors").write_bytes(b"weights")
+    return root / "src"
+
+
+@pytest.mark.parametrize("out", ["src", ".", "link", "link/src", "src_link"])
+def test_directory_writer_refuses_an_output_that_holds_its_source(tmp_path, out):
+    """The output is the source, its parent, a symlink to the parent (or through it to the source), or the
+    source is reached through a symlink: replacing the output would delete the source, so nothing is written."""
+    src = _checkpoint(tmp_path / "parent")
+    (tmp_path / "link").symlink_to(tmp_path / "parent")
+    (tmp_path / "src_link").symlink_to(src)
+    out = tmp_path / "parent" / out if out in ("src", ".") else tmp_path / out
+    before = _tree(tmp_path / "parent")
+    with pytest.raises(atomic.WriteError) as e, \
+            atomic.directory_writer(out, replaces=lambda p: True, what="checkpoint", source=src) as tmp:
+        (tmp / "config.json").write_text("new")
+    assert _tree(tmp_path / "parent") == before and os.path.samefile(tmp_path / "link", tmp_path / "parent")
+    assert f"checkpoint {out.absolute()} is or holds the source checkpoint {src}" in str(e.value)
+    if out.is_symlink() or out.parent.is_symlink():
+        assert f"with symlinks resolved: {out.resolve()} and {src}" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "parent", "src_link"]  # no lock, no temporary
+    # Through a symlinked source: the checkpoint it points to is protected the same way.
+    with pytest.raises(atomic.WriteError, match="is or holds the source checkpoint"), \
+            atomic.directory_writer(tmp_path / "parent", replaces=lambda p: True, source=tmp_path / "src_link"):
+        pass
+    assert _tree(tmp_path / "parent") == before
+
+
+def test_directory_writer_beside_or_inside_its_source(tmp_path):
+    """An output next to the source, or inside it, leaves the source where it is: both are written."""
+    src = _checkpoint(tmp_path / "parent")
+    for out in (tmp_path / "parent" / "out", src / "out", tmp_path / "parent" / "src2"):
+        with atomic.directory_writer(out, source=src) as tmp:
+            (tmp / "a").write_text("1")
+        assert _tree(out) == {"a": b"1"}
+    assert (src / "model.safetensors").read_bytes() == b"weights"

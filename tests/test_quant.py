@@ -431,6 +431,36 @@ def test_quark_input_tensors_turn_activation_qdq_on(tmp_path):
     assert not np.array_equal(np.asarray(lin_on(x)), np.asarray(lin_off(x)))
 
 
+
+def _tree(root):
+    return {f.relative_to(root).as_posix(): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()}
+
+
+def test_an_output_that_holds_the_source_is_refused(tmp_path, capsys, monkeypatch):
+    """``out`` the source, its parent (an earlier checkpoint there: replaceable) or a symlink to the parent:
+    writing would delete the source checkpoint, so save_quark refuses, and ``dflash-jax quantize`` before it
+    loads anything, naming both paths."""
+    from dflash_jax import atomic, cli
+    from dflash_jax import target as target_module
+
+    target = init_target(CONFIGS["dense"], dtype=jnp.float32, seed=7)
+    src = tmp_path / "parent" / "src"
+    _write_dense(target, src)
+    (tmp_path / "parent" / "config.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "parent")
+    before = _tree(tmp_path / "parent")
+    q = quant.convert(target, True)
+    for out in (src, tmp_path / "parent", tmp_path / "link"):
+        with pytest.raises(atomic.WriteError, match=f"{out} is or holds the source checkpoint {src}"):
+            quant.save_quark(q, quant.QuantConfig(), src, out, dtype=jnp.float32)
+        assert _tree(tmp_path / "parent") == before
+    monkeypatch.setattr(target_module, "load_target", lambda *a, **k: pytest.fail("loaded before the check"))
+    for out in (src, tmp_path / "parent", tmp_path / "link"):
+        assert cli.main(["quantize", "--model", str(src), "--out", str(out), "--quiet"]) == 2
+        assert f"{out} is or holds the source checkpoint {src}" in capsys.readouterr().err
+        assert _tree(tmp_path / "parent") == before
+
+
 @pytest.mark.slow
 def test_cli_quantize_then_generate(tmp_path, capsys):
     """``dflash-jax quantize`` writes the Quark layout; ``generate --model`` on it decodes exactly as the
