@@ -140,14 +140,16 @@ class Fields:
                           ConfigWarning, stacklevel=3)
 
 
-def rope_scaling(params: dict[str, Any] | None, *, max_position_embeddings: int) -> RopeScaling:
-    """Parses the rope type and its parameters the way transformers resolves them (``standardize_rope_params``,
-    ``_compute_*_parameters``); refuses types whose frequencies depend on the sequence length."""
-    if params is None:
-        return RopeScaling()
+def rope_scaling(config: Fields, *, max_position_embeddings: int) -> tuple[Fields, RopeScaling]:
+    """Reads a model config's ``rope_parameters`` (or the legacy ``rope_scaling``) from its fields ``config``:
+    the rope type and its parameters, parsed the way transformers resolves them (``standardize_rope_params``,
+    ``_compute_*_parameters``); refuses types whose frequencies depend on the sequence length. Returns the
+    parameters' own fields too, for the caller's ``rope_theta`` / ``partial_rotary_factor`` reads."""
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    params = config.get(key, {})
     if not isinstance(params, dict):
-        raise ConfigError(f"rope_parameters must be an object, got {params!r}")
-    f = Fields(params, "rope_parameters.")
+        raise ConfigError(f"{config.where}{key} must be an object, got {params!r}")
+    f = Fields(params, f"{config.where}{key}.")
     f.read |= {"rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"}  # read by the caller;
     # M-RoPE sections only matter for image/video positions: for text all three position rows are equal.
     kind = params.get("rope_type", params.get("type")) or "default"
@@ -172,14 +174,14 @@ def rope_scaling(params: dict[str, Any] | None, *, max_position_embeddings: int)
                           low_freq_factor=f.number("low_freq_factor", None),
                           high_freq_factor=f.number("high_freq_factor", None))
         if out.high_freq_factor <= out.low_freq_factor:
-            raise ConfigError("rope_parameters.high_freq_factor must be > low_freq_factor")
+            raise ConfigError(f"{f.where}high_freq_factor must be > low_freq_factor")
     else:
-        raise ConfigError(f"rope_type {kind!r} is not supported (supported: default, linear, yarn, llama3; "
+        raise ConfigError(f"{f.where}rope_type {kind!r} is not supported (supported: default, linear, yarn, llama3; "
                           f"'dynamic' and 'longrope' change with the sequence length)")
     unknown = sorted(set(params) - f.read)
     if unknown:
-        raise ConfigError(f"rope_parameters fields {unknown} are not understood for rope_type {kind!r}")
-    return out
+        raise ConfigError(f"{f.where.rstrip('.')} fields {unknown} are not understood for rope_type {kind!r}")
+    return f, out
 
 
 def _eos_ids(value: Any, where: str) -> tuple[int, ...]:
@@ -370,10 +372,7 @@ class TargetConfig:
             if not isinstance(layer_types, list):
                 raise ConfigError(f"{where}layer_types must be a list, got {layer_types!r}")
             max_pos = f.integer("max_position_embeddings", 32768)
-            rope = f.get("rope_parameters") or f.get("rope_scaling")
-            if rope is not None and not isinstance(rope, dict):
-                raise ConfigError(f"{where}rope_parameters must be an object, got {rope!r}")
-            rope = Fields(rope or {}, where + "rope_parameters.")
+            rope, scaling = rope_scaling(f, max_position_embeddings=max_pos)
             eos = _eos_ids(f.get("eos_token_id", top.get("eos_token_id")), where)
             cfg = cls(
                 vocab_size=vocab,
@@ -387,7 +386,7 @@ class TargetConfig:
                 rope_theta=rope.number("rope_theta", f.number("rope_theta", DEFAULT_THETA)),
                 partial_rotary_factor=rope.number("partial_rotary_factor",
                                                   f.number("partial_rotary_factor", 0.25)),
-                rope_scaling=rope_scaling(rope.raw or None, max_position_embeddings=max_pos),
+                rope_scaling=scaling,
                 linear_num_key_heads=f.integer("linear_num_key_heads", 16),
                 linear_num_value_heads=f.integer("linear_num_value_heads", 32),
                 linear_key_head_dim=f.integer("linear_key_head_dim", 128),

@@ -153,12 +153,9 @@ class DrafterConfig:
             d.require("attention_sink_bias", (False,), False, "no attention sinks")
             n_layers = f.integer("num_hidden_layers")
             max_pos = f.integer("max_position_embeddings", 32768)
-            rope = f.get("rope_parameters") or f.get("rope_scaling")
-            if rope is not None and not isinstance(rope, dict):
-                raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
-            rope = Fields(rope or {}, "rope_parameters.")
+            rope, scaling = rope_scaling(f, max_position_embeddings=max_pos)
             if rope.number("partial_rotary_factor", 1.0) != 1.0:
-                raise ConfigError("rope_parameters.partial_rotary_factor != 1 is not supported "
+                raise ConfigError(f"{rope.where}partial_rotary_factor != 1 is not supported "
                                   "(the drafter rotates the whole head)")
             # transformers' Qwen3Config: use_sliding_window=false drops the window; without layer_types, layers
             # from max_window_layers on slide. (use_sliding_window absent: explicit layer_types decide.)
@@ -192,7 +189,7 @@ class DrafterConfig:
                 intermediate_size=f.integer("intermediate_size"),
                 rms_norm_eps=f.number("rms_norm_eps", 1e-6),
                 rope_theta=rope.number("rope_theta", f.number("rope_theta", DEFAULT_THETA)),
-                rope_scaling=rope_scaling(rope.raw or None, max_position_embeddings=max_pos),
+                rope_scaling=scaling,
                 vocab_size=f.integer("vocab_size"),
                 block_size=pick("block_size").integer("block_size", 16),
                 mask_token_id=pick("mask_token_id").integer("mask_token_id", low=0),

@@ -181,6 +181,35 @@ def test_drafter_refusals(over, message):
         DrafterConfig.from_hf(DRAFTER | over)
 
 
+
+@pytest.mark.parametrize("key", ["rope_parameters", "rope_scaling"])
+def test_target_and_drafter_read_the_rope_alike(key):
+    """Both parsers read ``rope_parameters`` (or the legacy ``rope_scaling``) through one reader: the same
+    scaling and theta from the same object, and errors that name the key read with the path to it."""
+    def configs(rope):
+        target = _text(**{key: rope})
+        if key == "rope_scaling":
+            del target["text_config"]["rope_parameters"]
+        return target, {**DRAFTER, key: rope}
+
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=4096, rope_theta=1e6)
+    target, drafter = configs(yarn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t, d = TargetConfig.from_hf(target), DrafterConfig.from_hf(drafter)
+    assert t.rope_scaling == d.rope_scaling and (t.rope_theta, d.rope_theta) == (1e6, 1e6)
+    assert (d.rope_scaling.rope_type, d.rope_scaling.factor, d.rope_scaling.original_max_position_embeddings) == (
+        "yarn", 4.0, 4096)
+    for rope, message in [({**yarn, "shiny": 1}, rf"{key} fields \['shiny'\] are not understood"),
+                          ([1], f"{key} must be an object"),
+                          ({**yarn, "rope_type": "dynamic"}, f"{key}.rope_type 'dynamic' is not supported")]:
+        target, drafter = configs(rope)
+        with pytest.raises(ConfigError, match=f"config.json: text_config.{message}"):
+            TargetConfig.from_hf(target)
+        with pytest.raises(ConfigError, match=f"config.json: {message}"):
+            DrafterConfig.from_hf(drafter)
+
+
 def test_a_config_that_is_not_a_drafter_is_refused():
     plain = {k: v for k, v in DRAFTER.items() if k not in ("dflash_config", "block_size")}
     with pytest.raises(ConfigError, match="not a DFlash drafter config"):
