@@ -43,7 +43,7 @@ EXPERT_MESHES = ((1, 1, 8), (2, 2, 2))  # MoE only: experts over the expert axis
 METHODS = ("plain", "dflash", "mtp")
 PROMPT_LENS = (5, 12, 1, 9, 3, 16, 7, 2)  # 8 rows: every data-parallel size divides them
 MAX_NEW = 8
-FAST_TIMEOUT, FULL_TIMEOUT = 420, 3000  # seconds; the worker's progress is shown when one is exceeded
+FAST_TIMEOUT, FULL_TIMEOUT = 900, 3600  # seconds; the worker's progress is shown when one is exceeded
 
 
 # ---------------------------------------------------------------------------------------------- worker
