@@ -6,16 +6,16 @@ benchmark client, and times the loop's own compiled phases, ``SpeculativeLoop.in
 ``SpeculativeLoop.decode`` (every step in one ``lax.while_loop``), for every method on the same prompts.
 
 How the figures are made honest (``measure``): the first call of each method (compile + one run) is
-timed apart; every timed run is preceded by an untimed run of the same method, so each method is
-measured warm, as it runs back to back, however the methods are interleaved; the clock starts
-only after the previous work is waited on; methods alternate order from batch to batch and repeat
-to repeat, so machine drift hits all alike; each figure is the median over ``--repeats`` whole
-passes, with the spread. The per-step split into draft / verify / commit times the loop's public
-phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the loop's
-own ``step`` produces. ``--simulate-acceptance`` replaces the drafts by the plain-decoding output
-with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so tau is
-fixed and only kernel and loop cost differ. Beside each speed-up, the ceiling this machine allows
-at the measured tau (``roofline.measured_ceiling``).
+timed apart; every timed run is preceded by a run of the same method (an untimed one where needed),
+so each method is measured warm, as it runs back to back, however the methods are interleaved; the
+clock starts only after the previous work is waited on; methods alternate order from batch to batch
+and repeat to repeat, so machine drift hits all alike; each figure is the median over ``--repeats``
+whole passes, with the spread. The per-step split into draft / verify / commit times the loop's
+public phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the
+loop's own ``step`` produces. ``--simulate-acceptance`` replaces the drafts by the plain-decoding
+output with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so
+tau is fixed and only kernel and loop cost differ. Beside each speed-up, the ceiling this machine
+allows at the measured tau (``roofline.measured_ceiling``).
 
 Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number), then PNG plots.
 """
@@ -528,8 +528,9 @@ def plot(results: list[dict], out: Path) -> list[str]:
 TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled decode (SpeculativeLoop.decode, "
           "after prefill and the drafter's context prefill, as z-lab's TPOT), summed over batches, median over "
           "repeats; speedup: its ratio to ar's, paired repeat by repeat (median, with min/max in speedup_spread). "
-          "e2e: all tokens / (prefill + decode) seconds. Every timed run follows an untimed run of the same method "
-          "(warm), methods alternate order; compile_s (first run less a warm run) is excluded. ceiling: the "
+          "e2e: all tokens / (prefill + decode) seconds. Every timed run follows a run of the same method (warm), "
+          "methods alternate order (A B | B A); speedup_spread.ci: the median's 95% interval; compile_s (first "
+          "run less a warm run) is excluded. ceiling: the "
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
           "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
           "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "

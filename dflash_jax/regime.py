@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MINIATURES))
     parser.add_argument("--taus", default="6,10")
-    parser.add_argument("--blocks", default="4,8,16")
+    parser.add_argument("--blocks", default="4,6,8,16", help="block sizes (6: the block that just holds tau 6)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", metavar="OUT")
