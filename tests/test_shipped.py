@@ -17,8 +17,8 @@ from dflash_jax.train.evaluate import eval_prompts
 
 # Measured on the shipped models (the first 4 HumanEval prompts, 64 new tokens, greedy): see MODEL_CARD.md;
 # the test's own two generate calls, run once on dflash_jax/assets, printing out.tau.
-MEASURED_TAU_16 = 1.94  # per-row 2.28, 1.42, 2.48, 1.58 (lossless: True), 2026-12-01
-MARGIN = 0.3
+MEASURED_TAU_16 = 4.42  # per-row 4.92, 2.33, 7.67, 2.74 (lossless: True), 2026-12-01 (drafter of 3000 steps)
+MARGIN = 0.5
 
 
 @pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="shipped assets absent")

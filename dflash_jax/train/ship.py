@@ -209,7 +209,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         for name in ("target", "drafter"):
             if not (export / name / "model.safetensors").exists():
                 raise FileNotFoundError(f"--install: {export / name} is missing; run the export stage first")
-            with atomic.directory_writer(install / name) as tmp:  # interrupted: the old assets stay
+            with atomic.directory_writer(install / name, source=export / name) as tmp:  # interrupted: old assets stay
                 shutil.copytree(export / name, tmp, dirs_exist_ok=True)
         shutil.copy(log_file, install / "ship_log.json")
         print(f"[ship] installed {export} into {install}", flush=True)
