@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import atomic, synthetic
+from dflash_jax import atomic, roofline, synthetic
 from dflash_jax.proposers import DFlashProposer
 from dflash_jax.runtime import ASSETS
 from dflash_jax.speculative import SpecConfig, SpeculativeLoop
@@ -38,7 +38,8 @@ EXTRA = 256  # cache positions beyond the prompt in the prefill measurement (roo
 
 
 def prefill_seconds(target, lengths, *, repeats: int = 3, seed: int = 0, clock=time.perf_counter) -> list[dict]:
-    """Per prompt length: {length, compile_s, median_s, min_s, max_s, ms_per_token, scores_bytes}."""
+    """Per prompt length: {length, compile_s, median_s, min_s, max_s, ms_per_token, flops, scores_bytes};
+    flops: ``roofline.target_cost`` of the prompt (matmuls, and attention over the whole capacity)."""
     rng = np.random.default_rng(seed)
     cfg = target.cfg
     calls = {}
@@ -59,8 +60,11 @@ def prefill_seconds(target, lengths, *, repeats: int = 3, seed: int = 0, clock=t
             start = clock()
             jax.block_until_ready(calls[P]())
             times[P].append(clock() - start)
+    # FLOPs as the XLA path spends them: every query against all P + EXTRA cache rows (masked, not skipped)
+    flops = {P: roofline.target_cost(cfg, tokens=P, context=EXTRA, dtype=target.dtype, logits_rows=1).flops
+             for P in lengths}
     return [dict(length=P, compile_s=compile_s[P], median_s=statistics.median(times[P]), min_s=min(times[P]),
-                 max_s=max(times[P]), ms_per_token=1e3 * statistics.median(times[P]) / P,
+                 max_s=max(times[P]), ms_per_token=1e3 * statistics.median(times[P]) / P, flops=flops[P],
                  scores_bytes=4 * cfg.num_attention_heads * P * (P + EXTRA)) for P in lengths]
 
 
@@ -122,12 +126,13 @@ def prefill_target(name: str, dtype=jnp.float32):
 
 def format_prefill(rows: list[dict]) -> str:
     base = rows[0]
-    lines = ["| prompt tokens | prefill ms (min-max) | ms / token | vs linear from the first | compile s | "
-             "XLA scores / attention layer |", "|---|---|---|---|---|---|"]
+    lines = ["| prompt tokens | prefill ms (min-max) | ms / token | time vs linear from the first | FLOPs vs "
+             "linear | compile s | XLA scores / attention layer |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        linear = base["median_s"] * r["length"] / base["length"]
+        grow = r["length"] / base["length"]
         lines.append(f"| {r['length']} | {1e3 * r['median_s']:.1f} ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f}) | "
-                     f"{r['ms_per_token']:.3f} | {r['median_s'] / linear:.2f}x | {r['compile_s']:.1f} | "
+                     f"{r['ms_per_token']:.3f} | {r['median_s'] / (base['median_s'] * grow):.2f}x | "
+                     f"{r['flops'] / (base['flops'] * grow):.2f}x | {r['compile_s']:.1f} | "
                      f"{r['scores_bytes'] / 2**20:.0f} MiB |")
     return "\n".join(lines)
 

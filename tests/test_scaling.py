@@ -14,11 +14,14 @@ TINY = (regime._hybrid(32, 4, 64, (2, 1, 16), (1, 2, 16)), regime._drafter(32, 4
 
 
 def test_prefill_table_is_linear_against_the_first_length():
-    rows = [dict(length=8, median_s=1.0, min_s=0.5, max_s=2.0, ms_per_token=125.0, compile_s=3.0, scores_bytes=2**20),
-            dict(length=16, median_s=4.0, min_s=4.0, max_s=4.0, ms_per_token=250.0, compile_s=3.0, scores_bytes=2**21)]
+    rows = [dict(length=8, median_s=1.0, min_s=0.5, max_s=2.0, ms_per_token=125.0, compile_s=3.0, flops=10.0,
+                 scores_bytes=2**20),
+            dict(length=16, median_s=4.0, min_s=4.0, max_s=4.0, ms_per_token=250.0, compile_s=3.0, flops=30.0,
+                 scores_bytes=2**21)]
     lines = scaling.format_prefill(rows).splitlines()
-    assert lines[2] == "| 8 | 1000.0 (500.0-2000.0) | 125.000 | 1.00x | 3.0 | 1 MiB |"
-    assert lines[3].startswith("| 16 | 4000.0 (4000.0-4000.0) | 250.000 | 2.00x |")  # 4 s where linear says 2 s
+    assert lines[2] == "| 8 | 1000.0 (500.0-2000.0) | 125.000 | 1.00x | 1.00x | 3.0 | 1 MiB |"
+    # 4 s where linear says 2 s; 30 FLOPs where linear says 20
+    assert lines[3].startswith("| 16 | 4000.0 (4000.0-4000.0) | 250.000 | 2.00x | 1.50x |")
 
 
 def test_depth_configs_keep_the_widths_and_spread_the_taps():
@@ -54,4 +57,5 @@ def test_main_times_each_prefill_length_apart(tmp_path, capsys, monkeypatch):
     for r in rows:
         assert 0 < r["min_s"] <= r["median_s"] <= r["max_s"] and r["compile_s"] >= 0
         assert r["ms_per_token"] == pytest.approx(1e3 * r["median_s"] / r["length"])
+        assert r["flops"] > 2 * r["length"] * 32 * 3 * 64  # at least every token through the layers' MLPs
         assert r["scores_bytes"] == 4 * 2 * r["length"] * (r["length"] + scaling.EXTRA)  # [B=1, N=2, P, P + 256] f32
