@@ -62,6 +62,13 @@ def test_verify_matches_reference(T, Hk, Hv, Dv, block_v, dtype):
 
 
 @pytest.mark.parametrize("T, Hk, Hv, Dv, block_v, dtype", STEP_CASES)
+def test_xla_verify_matches_the_token_scan(T, Hk, Hv, Dv, block_v, dtype):
+    """The XLA path's verify (one chunk of the WY form) against the token-by-token recurrence."""
+    args = make_inputs(2, T, Hk, Hv, 16, Dv, dtype, seed=T + 2)
+    assert_close(jax.jit(lambda *a: gdn.gdn_verify(*a, impl="reference"))(*args), verify_reference(*args))
+
+
+@pytest.mark.parametrize("T, Hk, Hv, Dv, block_v, dtype", STEP_CASES)
 def test_replay_matches_reference_with_ragged_n(T, Hk, Hv, Dv, block_v, dtype):
     _, k, v, g, beta, state = make_inputs(3, T, Hk, Hv, 16, Dv, dtype, seed=T + 1)
     n = jnp.array([0, T // 2, T], jnp.int32)
