@@ -37,7 +37,6 @@ def test_depth_configs_keep_the_widths_and_spread_the_taps():
         scaling.depth_configs(raw_target, raw_drafter, 6)
 
 
-@pytest.mark.slow
 def test_loop_compile_is_timed_in_stages():
     r = scaling.loop_compile_seconds(*TINY, block=4, prompt_len=8, max_new=8, dtype=jnp.float32)
     assert r["layers"] == 4 and r["stablehlo_ops"] > 100
@@ -45,7 +44,6 @@ def test_loop_compile_is_timed_in_stages():
     assert r["total_s"] == pytest.approx(r["trace_s"] + r["lower_s"] + r["compile_s"])
 
 
-@pytest.mark.slow  # two prefill programs compiled (~20 s idle, minutes on the loaded 2-core box)
 def test_main_times_each_prefill_length_apart(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(scaling, "prefill_target", lambda name: synthetic.random_target(TINY[0], dtype=jnp.float32))
     out = tmp_path / "s.json"
