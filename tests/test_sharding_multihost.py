@@ -28,7 +28,6 @@ def worker(pid: int, port: int) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     import jax.numpy as jnp
-    from test_sharding import DENSE
 
     from dflash_jax import sharding
     from dflash_jax.config import TargetConfig
@@ -38,7 +37,9 @@ def worker(pid: int, port: int) -> None:
     args = argparse.Namespace(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=1,
                               distributed=False, coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                               process_id=pid)
-    mesh = sharding.mesh_from_args(args)
+    mesh = sharding.mesh_from_args(args)  # jax.distributed first: nothing above may start a backend
+    from test_sharding import DENSE  # (after: its import asks for the default backend, via pallas_mode)
+
     target = init_target(TargetConfig.from_hf(DENSE), dtype=jnp.float32)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9], [3, 2]]
     kw = dict(max_new_tokens=6, stop_ids=())
