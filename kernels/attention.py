@@ -265,27 +265,37 @@ def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scal
 
 
 MAX_QUERIES = 16  # queries per row the kernel's tile holds (a verify block); longer inputs are chunked
+# Queries per chunk of a long input (prefill) on the XLA path: bounds its f32 scores to [B, N, 256, S]
+# (at 8192 prompt tokens a whole-prompt score tensor per attention layer is 4 x 8192 x 8448 x 4 bytes ~ 1 GiB
+# on the shipped model, ~6 GiB at 27B) and keeps them in cache.
+REFERENCE_QUERIES = 256
+
+
+def _by_query_chunks(run, q, k, v, q_start, kv_len, size: int):
+    """``run`` on consecutive ``size``-query chunks of q (each sees the keys up to its own positions)."""
+    B, T = q.shape[:2]
+    if T <= size:
+        return run(q, k, v, q_start, kv_len)
+    pad = -T % size
+    chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, size, *q.shape[2:])
+    starts = jnp.arange(chunks.shape[1], dtype=jnp.int32) * size
+    out = jax.lax.map(lambda c: run(c[0], k, v, q_start + c[1], kv_len), (jnp.moveaxis(chunks, 1, 0), starts))
+    return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
 
 
 def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, impl=None):
     """Dispatching entry point; same contract as ``attention_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
-        return attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale)
+        ref = functools.partial(attention_reference, causal=causal, window=window, scale=scale)
+        return _by_query_chunks(ref, q, k, v, q_start, kv_len, REFERENCE_QUERIES)
     run = functools.partial(attention_pallas, causal=causal, window=window, scale=scale,
                             interpret=mode == "interpret")
 
     def pallas(q, k, v, q_start, kv_len):
-        B, T = q.shape[:2]
-        if T <= MAX_QUERIES:
-            return run(q, k, v, q_start, kv_len)
-        # Prefill: the kernel's tile is built for T <= 16 queries, so run the prompt as consecutive
-        # 16-query verify-shaped calls (each sees the keys up to its own positions).
-        pad = -T % MAX_QUERIES
-        chunks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, -1, MAX_QUERIES, *q.shape[2:])
-        starts = jnp.arange(chunks.shape[1], dtype=jnp.int32) * MAX_QUERIES
-        out = jax.lax.map(lambda c: run(c[0], k, v, q_start + c[1], kv_len), (jnp.moveaxis(chunks, 1, 0), starts))
-        return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
+        # Prefill: the kernel's tile is built for T <= 16 queries, so a prompt runs as 16-query
+        # verify-shaped calls.
+        return _by_query_chunks(run, q, k, v, q_start, kv_len, MAX_QUERIES)
 
     # On a mesh: per device, on its rows and query heads (and their KV heads).
     heads, kv = ("B", None, "N", None), ("B", None, "K", None)

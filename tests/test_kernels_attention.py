@@ -2,6 +2,7 @@
 CPU: ``pallas_mode``), ROCm/CUDA lowering at real Qwen3.5 shapes (no GPU needed), and shape errors."""
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -137,3 +138,17 @@ def test_bad_blocks_raise():
     with pytest.raises(ValueError, match="block_k must be a power of two"):
         attention_pallas(q, k, v, jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32),
                          blocks=AttentionBlocks(block_k=48), interpret=INTERPRET)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 24), (False, None)])
+def test_reference_prefill_in_query_chunks_equals_one_pass(monkeypatch, causal, window):
+    """The XLA path runs a long input in REFERENCE_QUERIES-query chunks (bounded score tensor): a 40-query
+    prompt at chunk 16 (two full chunks and a padded one) equals the whole-prompt reference."""
+    monkeypatch.setattr(importlib.import_module("dflash_jax.kernels.attention"), "REFERENCE_QUERIES", 16)
+    T, S = 40, 64
+    q, k, v = _inputs(2, T, 4, 2, 32, S, jnp.float32)
+    q_start, kv_len = jnp.asarray([0, 10], jnp.int32), jnp.asarray([T, T + 10], jnp.int32)
+    ref = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
+    run = functools.partial(attention, causal=causal, window=window, impl="reference")
+    assert "scan" in str(jax.make_jaxpr(run)(q, k, v, q_start, kv_len))  # the chunks, not one pass
+    np.testing.assert_allclose(np.asarray(run(q, k, v, q_start, kv_len)), np.asarray(ref), rtol=1e-6, atol=1e-6)
