@@ -21,7 +21,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import atomic
 from dflash_jax.proposers import DFlashProposer, NoProposer
 
 # The shipped small models (``target``, ``drafter``); DFLASH_JAX_ASSETS points at another folder of that layout.
@@ -211,6 +210,3 @@ def read_prompt_texts(path: str, flag: str) -> list[str]:
         raise ValueError(f"{flag} {path}: no prompts in the file")
     return texts
 
-
-# bench.py's name for the one writable-folder check, until it calls atomic.check_writable (REVIEW4)
-writable_dir = atomic.check_writable
