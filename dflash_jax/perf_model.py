@@ -45,8 +45,8 @@ _MATERIAL = {"dot", "convolution", "custom-call", "gather", "scatter", "dynamic-
              "reduce", "sort", "concatenate", "reduce-window", "select-and-scatter"}
 
 
-def _nbytes(type_text: str) -> float:
-    """Bytes of an HLO type (an array or a tuple of arrays)."""
+def hlo_bytes(type_text: str) -> float:
+    """Bytes of an HLO type (an array or a tuple of arrays); also used by ``sharding_report.collectives``."""
     total = 0.0
     for dtype, dims in _ARRAY.findall(type_text):
         n = 1
@@ -90,7 +90,7 @@ def fused_bytes(hlo_text: str) -> dict[str, float]:
     def walk(name: str, times: float, out: dict[str, float]):
         shapes: dict[str, float] = {}
         for res, type_text, opcode, args, attrs in comps[name]:
-            shapes[res] = size = _nbytes(type_text)
+            shapes[res] = size = hlo_bytes(type_text)
             operands = [shapes.get(a.strip().lstrip("%"), 0.0) for a in args.split(",") if a.strip()]
             called = re.findall(r"(?:to_apply|calls|body)=%?([\w.\-]+)", attrs)
             if opcode in ("call", "fusion") and called:

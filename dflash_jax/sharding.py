@@ -367,32 +367,6 @@ def shard_rows(mesh: Mesh, *arrays):
     return tuple(place(np.asarray(a), batch_sharding(mesh, np.shape(a))) for a in arrays)
 
 
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<type>\(.*?\)|\S+) "
-                         r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-          "f64": 8, "s64": 8, "u64": 8}
-
-
-def collectives(hlo: str) -> list[dict]:
-    """The collectives in a compiled program's HLO text (``jit(f).lower(...).compile().as_text()``).
-
-    Each: ``op``, result ``shapes`` (per device), result ``bytes`` per device and the JAX op ``name`` it
-    came from. Counted as written: one inside a loop body appears once.
-    """
-    out = []
-    for line in hlo.splitlines():
-        m = _COLLECTIVE.match(line)
-        if not m:
-            continue
-        arrays = [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _ARRAY.findall(m["type"])]
-        name = re.search(r'op_name="([^"]*)"', line)
-        out.append({"op": m["op"], "shapes": [shape for _, shape in arrays],
-                    "bytes": sum(_BYTES.get(t, 4) * int(np.prod(shape)) for t, shape in arrays),
-                    "name": name[1] if name else m["name"]})
-    return out
-
-
 # ----------------------------------------------------------------------------------- CLI and processes
 
 

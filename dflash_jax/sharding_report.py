@@ -4,7 +4,7 @@ Sits on top of ``sharding.py`` and ``synthetic.py``: it builds the abstract Qwen
 and its DFlash drafter (``synthetic.REAL_SHAPES``), places their shapes on a (data, model, expert)
 mesh by ``sharding``'s tables, lowers and compiles ``SpeculativeLoop.step`` (draft, verify, accept,
 commit: the body of the on-device loop) for that mesh, and counts the collectives in the compiled
-HLO (``sharding.collectives``): per op, how many and the bytes each device receives per step; and
+HLO (``collectives`` below): per op, how many and the bytes each device receives per step; and
 the GiB of parameters and loop state (caches) each device holds.
 Needs as many devices as the mesh; on CPU simulate them::
 
@@ -18,19 +18,43 @@ import argparse
 import collections
 import json
 import math
+import re
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import sharding, synthetic
+from dflash_jax import perf_model, sharding, synthetic
 from dflash_jax.proposers import DFlashProposer, NoProposer
 from dflash_jax.speculative import SpecConfig, SpeculativeLoop
 
 
 def _placed(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<type>\(.*?\)|\S+) "
+                         r"(?P<op>all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(")
+_ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[([0-9,]*)\]")
+
+
+def collectives(hlo: str) -> list[dict]:
+    """The collectives in a compiled program's HLO text (``jit(f).lower(...).compile().as_text()``).
+
+    Each: ``op``, result ``shapes`` (per device), result ``bytes`` per device and the JAX op ``name`` it
+    came from. Counted as written: one inside a loop body appears once.
+    """
+    out = []
+    for line in hlo.splitlines():
+        m = _COLLECTIVE.match(line)
+        if not m:
+            continue
+        name = re.search(r'op_name="([^"]*)"', line)
+        out.append({"op": m["op"], "shapes": [tuple(int(d) for d in dims.split(",") if d)
+                                              for dims in _ARRAY.findall(m["type"])],
+                    "bytes": perf_model.hlo_bytes(m["type"]), "name": name[1] if name else m["name"]})
+    return out
 
 
 def step_collectives(config: str, *, data: int = 1, model: int = 1, expert: int = 1, batch: int = 1,
@@ -65,7 +89,7 @@ def step_collectives(config: str, *, data: int = 1, model: int = 1, expert: int 
                     bytes_per_device=0, by_op={}, largest=None, per_device=held, compile_s=0.0)
     start = time.perf_counter()
     hlo = SpeculativeLoop.step.lower(loop, params, state).compile().as_text()
-    found = sharding.collectives(hlo)
+    found = collectives(hlo)
     ops = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
     for c in found:
         ops[c["op"]]["count"] += 1

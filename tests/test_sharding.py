@@ -101,7 +101,7 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool, kernels: str = 
     import jax
     import numpy as np
 
-    from dflash_jax import sharding
+    from dflash_jax import sharding, sharding_report
     from dflash_jax.speculative import SpecConfig, SpeculativeLoop
 
     target, drafter, tokens, lengths = models[kind]
@@ -124,7 +124,7 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool, kernels: str = 
         state_sh = sharding.state_shardings(state, len(lengths), *sharding.layouts(mesh, target.cfg, proposer))
         text = compiled.as_text()
         out["violations"] = gathered(text, params, state, state_sh)
-        out["collectives"] = len(sharding.collectives(text))
+        out["collectives"] = len(sharding_report.collectives(text))
     jax.clear_caches()
     return out
 
@@ -135,7 +135,7 @@ def gathered(hlo: str, params, state, state_sh) -> list[str]:
     prefill, which runs once), a whole replicated cache: the partitioner split it and gathers it back."""
     import jax
 
-    from dflash_jax import sharding
+    from dflash_jax import sharding_report
 
     leaves = [(x.shape, x.sharding) for x in jax.tree.leaves(params)]
     leaves += [(x.shape, s) for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh), strict=True)]
@@ -150,7 +150,7 @@ def gathered(hlo: str, params, state, state_sh) -> list[str]:
             for dims in itertools.combinations(split, r):
                 banned.add(tuple(shape[i] if i in dims else local[i] for i in range(len(shape))))
     bad = []
-    for c in sharding.collectives(hlo):
+    for c in sharding_report.collectives(hlo):
         in_step = "jit(init)" not in c["name"]
         if c["op"] == "all-gather" and any(s in banned or VOCAB in s or (in_step and s in per_step)
                                            for s in c["shapes"]):
@@ -203,7 +203,7 @@ def _kernels(mesh_shape) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax import kernels, sharding
+    from dflash_jax import kernels, sharding, sharding_report
 
     r = np.random.default_rng(0)
     B, T, S, N, K, H, Hk, Hv, Dk = 8, 3, 24, 8, 2, 16, 4, 8, 8  # KV 2 and key heads 4: sliced at model 8
@@ -243,7 +243,7 @@ def _kernels(mesh_shape) -> dict:
     diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want),
                                                              strict=True))
     jax.clear_caches()
-    return {"diff": diff, "collectives": [c["op"] for c in sharding.collectives(compiled.as_text())]}
+    return {"diff": diff, "collectives": [c["op"] for c in sharding_report.collectives(compiled.as_text())]}
 
 
 def worker(cases: list[list], tmp: str) -> dict:
