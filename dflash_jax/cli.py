@@ -216,7 +216,7 @@ class TextStream:
             self.tokens.append(int(token))
             old = len(self.text)
             waiting = self._take(final=False)  # a token may complete a stop and start a character
-            seen = self.text + waiting if waiting else self.text
+            seen = self.text + waiting
             if self.stops and len(seen) > old:
                 tail = max(0, old - self._held)  # a stop can only end in the new characters
                 hits = [i for i in (seen.find(s, tail) for s in self.stops) if i >= 0]
