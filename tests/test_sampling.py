@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from exact_stats import chi2_pvalue
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dflash_jax import sampling
@@ -34,7 +34,10 @@ def test_probs_transforms_match_formulas():
        temperature=st.floats(0.25, 4.0), top_k=st.integers(0, V), top_p=st.floats(0.05, 1.0))
 def test_filters_keep_the_smallest_top_set_in_proportion(logits, temperature, top_k, top_p):
     """For any logits: the support is the highest-logit tokens, at most top_k of them, the fewest whose mass
-    (after temperature and top-k) reaches top_p; inside it the probabilities keep exp(logit / T)'s ratios."""
+    (after temperature and top-k) reaches top_p; inside it the probabilities keep exp(logit / T)'s ratios.
+    Logits closer than 1e-3 are left out: in float32 they can tie (XLA on CPU flushes 8e-45 to 0.0; x / T can
+    round two neighbours to one value), and a tie keeps both tokens, as transformers' top-k does."""
+    assume(np.diff(np.sort(logits)).min() > 1e-3)
     x = np.asarray(logits, np.float64) / temperature
     got = np.asarray(probs(jnp.asarray(logits, jnp.float32), SamplingConfig(temperature, top_k, top_p)), np.float64)
     assert np.isfinite(got).all() and (got >= 0).all() and abs(got.sum() - 1) < 1e-5
