@@ -13,9 +13,11 @@ graph is, and ``with_kernels`` gives a model the same weights under another mode
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from flax.nnx import graphlib
 
@@ -216,6 +218,40 @@ class DepthwiseConv(nnx.Module):
         self.weight = _normal(rngs, (channels, 1, taps), dtype, std=taps**-0.5)
 
 
+# Checkpoint keys whose leading axis is the GDN channel axis C (``gdn_channel_order``): the fused q|k|v
+# projection (MXFP4: its packed codes and per-row scales) and the depthwise conv weight.
+GDN_CHANNEL_KEYS = re.compile(r"(.*\.)?linear_attn\.(in_proj_qkv\.weight(_scale)?|conv1d\.weight)")
+
+
+def gdn_channel_order(cfg: TargetConfig) -> np.ndarray:
+    """The GDN channel permutation ``order`` [C] with internal = hf[order] (C = 2*Hk*Dk + Hv*Dv).
+
+    The HF checkpoint orders the channels q heads | k heads | v heads. The layer keeps them grouped
+    by key head: for g = 0 .. Hk-1 the block [q head g (Dk) | k head g (Dk) | v heads g*r .. g*r+r-1
+    (r*Dv)], r = Hv // Hk (value head j reads key head j // r). A contiguous shard of whole groups holds
+    whole q, k and v heads for every model axis that divides Hk (``sharding.RULES["gdn_channels"]``).
+    """
+    Hk, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = cfg.linear_num_value_heads // Hk
+    q = np.arange(Hk * Dk).reshape(Hk, Dk)
+    v = 2 * Hk * Dk + np.arange(Hk * r * Dv).reshape(Hk, r * Dv)
+    return np.concatenate([q, q + Hk * Dk, v], axis=1).reshape(-1)  # [Hk, 2*Dk + r*Dv] -> [C]
+
+
+def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, *, to_hf: bool = False) -> np.ndarray:
+    """A checkpoint tensor with its GDN channel rows (axis 0) put in the layer's order (HF -> internal),
+    or back with ``to_hf``; tensors of other keys (``GDN_CHANNEL_KEYS``) unchanged. The load path applies
+    it to each tensor as it is read, the safetensors writers before they write."""
+    if not GDN_CHANNEL_KEYS.fullmatch(key):
+        return host
+    order = gdn_channel_order(cfg)
+    if host.shape[0] != order.size:
+        raise ValueError(f"{key}: {host.shape[0]} rows, but the GDN channel axis of this config has {order.size} "
+                         f"(2 x {cfg.linear_num_key_heads} x {cfg.linear_key_head_dim} + "
+                         f"{cfg.linear_num_value_heads} x {cfg.linear_value_head_dim})")
+    return host[np.argsort(order) if to_hf else order]
+
+
 class GatedDeltaNet(nnx.Module):
     """Qwen3.5 linear attention: causal depthwise conv + SiLU on q/k/v, then the gated delta rule.
 
@@ -223,6 +259,11 @@ class GatedDeltaNet(nnx.Module):
     of speculation: ``verify`` reads the cache without writing it and records the per-token update
     inputs (``GDNPending``); ``commit`` replays the first n of them from the old state and slides
     the conv window (the invariant is stated in ``target.py``).
+
+    The channel axis C of ``in_proj_qkv`` rows, ``conv1d`` channels, the conv window and the pending
+    conv inputs is in the head-grouped order of ``gdn_channel_order``, not the checkpoint's q | k | v:
+    loading permutes those tensors, the safetensors writers permute them back (``gdn_channels``), and
+    orbax copies of the parameters hold this order.
     """
 
     def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
@@ -243,6 +284,7 @@ class GatedDeltaNet(nnx.Module):
     def _prepare(self, x, conv_window):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).
 
+        Channels are head-grouped (``gdn_channel_order``): C = Hk groups of [q (Dk) | k (Dk) | v (r*Dv)].
         Returns q, k [B,T,Hk,Dk] (L2-normalised, q scaled), v [B,T,Hv,Dv], g, beta [B,T,Hv] f32,
         z [B,T,Hv,Dv] and the raw conv inputs ``mixed`` [B,T,C].
         """
@@ -255,11 +297,10 @@ class GatedDeltaNet(nnx.Module):
         w = self.conv1d.weight[...][:, 0, :]  # [C, K]; tap K-1 multiplies the current token
         taps = w.shape[1]
         y = sum(full[:, j:j + T, :] * w[:, j] for j in range(taps))
-        y = jax.nn.silu(y)
-        kd = cfg.linear_key_dim
-        q = y[..., :kd].reshape(B, T, Hk, Dk).astype(jnp.float32)
-        k = y[..., kd:2 * kd].reshape(B, T, Hk, Dk).astype(jnp.float32)
-        v = y[..., 2 * kd:].reshape(B, T, Hv, Dv)
+        y = jax.nn.silu(y).reshape(B, T, Hk, -1)  # [B, T, Hk, 2*Dk + r*Dv]: one group per key head
+        q = y[..., :Dk].astype(jnp.float32)
+        k = y[..., Dk:2 * Dk].astype(jnp.float32)
+        v = y[..., 2 * Dk:].reshape(B, T, Hv, Dv)  # value heads g*r .. g*r+r-1 of group g, in order
         q = q * jax.lax.rsqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6) * (Dk**-0.5)
         k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)

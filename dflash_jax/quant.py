@@ -298,13 +298,13 @@ def convert(target, quantized: bool, qcfg: QuantConfig | None = None):
 # Writing Quark's layout
 
 
-def _tensors(params, dtype) -> dict[str, np.ndarray]:
-    """Checkpoint key -> host array: fused experts split into Quark's (and transformers') per-expert
-    tensors; float tensors cast to ``dtype``, MXFP4 bytes kept."""
+def _tensors(target, dtype) -> dict[str, np.ndarray]:
+    """Checkpoint key -> host array (``target.hf_tensors``: HF order): fused experts split into Quark's (and
+    transformers') per-expert tensors; float tensors cast to ``dtype``, MXFP4 bytes kept."""
+    from dflash_jax.target import hf_tensors  # target.py imports this module
+
     out = {}
-    for path, var in nnx.to_flat_state(params):
-        key = ".".join(map(str, path))
-        a = np.asarray(var.get_value())
+    for key, a in hf_tensors(target).items():
         if a.dtype != np.uint8:
             a = a.astype(dtype)
         m = re.fullmatch(r"(?P<group>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<scale>_scale)?", key)
@@ -349,7 +349,7 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
     raw["quantization_config"] = qcfg.to_hf(exclude=(*qcfg.exclude, *skipped))
     raw.pop("torch_dtype", None)
     raw["dtype"] = str(jnp.dtype(dtype))
-    tensors = _tensors(target.params, jnp.dtype(dtype))
+    tensors = _tensors(target, jnp.dtype(dtype))
     shards, size = [[]], 0
     for key, a in tensors.items():
         if size and size + a.nbytes > shard_bytes:

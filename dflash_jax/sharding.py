@@ -19,8 +19,9 @@ tensor dimension is; ``PARAMS`` and ``CACHES`` give every parameter and cache fi
 
 A logical axis is sharded only when the mesh axes divide its unit count (heads, not head x
 head_dim channels), else it is replicated and ``Layout.replicated`` says so. For Qwen3.5-27B at
-TP=8: 24 query heads, 48 GDN value heads and 16 GDN key heads shard; its 4 KV heads do not, so
-k_proj/v_proj and the attention K/V caches are replicated on every model shard.
+TP=8: 24 query heads, 48 GDN value heads and 16 GDN key heads (with the GDN channels, grouped by key
+head) shard; its 4 KV heads do not, so k_proj/v_proj and the attention K/V caches are replicated on
+every model shard.
 
 Several processes (hosts): ``mesh_from_args`` joins them with ``jax.distributed.initialize`` from
 the CLI's flags or the environment JAX documents, and ``host`` gathers rows spread over processes.
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 AXES = ("data", "model", "expert")
 
 # Logical axis -> mesh axis. Logical names not listed (the residual width D, head_dim, the cache
-# length S, the GDN conv channels) are never sharded.
+# length S) are never sharded.
 RULES: dict[str, str | tuple[str, ...]] = {
     "batch": "data",  # rows of a batch: prompts, caches, loop state
     "vocab": "model",  # embedding rows and LM head rows (vocab-parallel)
@@ -58,6 +59,10 @@ RULES: dict[str, str | tuple[str, ...]] = {
     "kv_heads": "model",  # attention KV heads K (k/v_proj rows, the K/V caches)
     "v_heads": "model",  # GDN value heads Hv (z/a/b projections, decay, out_proj, the state [B, Hv, Dk, Dv])
     "k_heads": "model",  # GDN key heads Hk (the L2-normalised keys kept pending by a verify)
+    # GDN channels C (in_proj_qkv rows, conv1d channels, the conv window, the pending conv inputs), stored
+    # head-grouped (layers.gdn_channel_order): Hk groups [q_g | k_g | v heads of g], so the unit is a key head
+    # and a shard holds whole q, k and v heads. A model axis that does not divide Hk replicates them.
+    "gdn_channels": "model",
     "mlp": "model",  # MLP width F (dense MLP, shared expert, drafter MLP)
     # Routed experts E over the model and expert axes together (vLLM's expert parallel: EP = TP x EP
     # devices), so a TP-only mesh holds each expert once, not once per model shard.
@@ -66,8 +71,7 @@ RULES: dict[str, str | tuple[str, ...]] = {
 
 # Parameter path (dots, as in the HF checkpoint; weights [out, in]) -> logical axes per dimension.
 # First full match wins; unmatched parameters are replicated: norms, the MoE router, the drafter's fc
-# and the MTP fc, and the GDN in_proj_qkv / conv1d, whose channels concatenate q | k | v (a contiguous
-# shard of those rows would not hold whole heads; BUILD.md's scale-out section says what it would take).
+# and the MTP fc.
 # MXFP4 projections (quant.py) keep the rule of their weight for both tensors: the packed codes
 # ``weight`` [out, in/2] and ``weight_scale`` [out, in/32] split along the same logical axis (a
 # column shard of whole heads is a whole number of 32-input scale blocks at every real shape).
@@ -78,6 +82,8 @@ PARAMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r".*self_attn\.[kv]_proj\.weight(_scale)?", ("kv_heads", None)),
     (r".*self_attn\.o_proj\.weight(_scale)?", (None, "heads")),
     (r".*linear_attn\.in_proj_[zab]\.weight(_scale)?", ("v_heads", None)),
+    (r".*linear_attn\.in_proj_qkv\.weight(_scale)?", ("gdn_channels", None)),
+    (r".*linear_attn\.conv1d\.weight", ("gdn_channels", None, None)),  # [C, 1, K]
     (r".*linear_attn\.(A_log|dt_bias)", ("v_heads",)),
     (r".*linear_attn\.out_proj\.weight(_scale)?", (None, "v_heads")),
     (r".*(mlp|shared_expert)\.(gate|up)_proj\.weight(_scale)?", ("mlp", None)),
@@ -90,8 +96,8 @@ PARAMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 # listed hold per-row values and follow the default rule of ``state_shardings``.
 CACHES: dict[str, dict[str, tuple[str | None, ...]]] = {
     "AttentionCache": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
-    "GDNCache": {"conv": ("batch", None, None), "state": ("batch", "v_heads", None, None)},
-    "GDNPending": {"mixed": ("batch", None, None), "k": ("batch", None, "k_heads", None),
+    "GDNCache": {"conv": ("batch", None, "gdn_channels"), "state": ("batch", "v_heads", None, None)},
+    "GDNPending": {"mixed": ("batch", None, "gdn_channels"), "k": ("batch", None, "k_heads", None),
                    "v": ("batch", None, "v_heads", None), "g": ("batch", None, "v_heads"),
                    "beta": ("batch", None, "v_heads")},
     "MTPState": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
@@ -123,7 +129,8 @@ def unit_counts(cfg: TargetConfig | DrafterConfig) -> dict[str, int]:
     """Logical axis -> how many indivisible units lie along it (a shard must hold whole heads)."""
     counts = {"heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "vocab": cfg.vocab_size}
     if not is_drafter(cfg):
-        counts |= {"v_heads": cfg.linear_num_value_heads, "k_heads": cfg.linear_num_key_heads}
+        counts |= {"v_heads": cfg.linear_num_value_heads, "k_heads": cfg.linear_num_key_heads,
+                   "gdn_channels": cfg.linear_num_key_heads}  # whole key-head groups
         if cfg.is_moe:
             counts["experts"] = cfg.num_experts
     return counts

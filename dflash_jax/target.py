@@ -29,6 +29,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dflash_jax import atomic, checkpoint, quant, sharding
@@ -44,6 +45,7 @@ from dflash_jax.layers import (
     RMSNorm,
     SparseMoeBlock,
     SplitModel,
+    gdn_channels,
 )
 
 
@@ -265,6 +267,7 @@ def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed
 
 
 CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax directory
+GDN_LAYOUT = "head-grouped"  # the converted copy's GDN channel order (``layers.gdn_channel_order``)
 
 
 def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None, kernels: str | None = None,
@@ -291,6 +294,10 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     cfg, qcfg = quant.read_target_config(path)  # qcfg None: a dense checkpoint
     if converted:
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
+        if meta.get("gdn_channels") != GDN_LAYOUT:
+            raise checkpoint.CheckpointError(
+                f"{path}: converted copy holds the Gated DeltaNet channels in the checkpoint's q | k | v order "
+                f"(written before the {GDN_LAYOUT} layout); convert it again from the HF checkpoint")
         model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
         quant.restore_layout(model, meta.get("mxfp4"))
         graphdef, abstract = nnx.split(model)
@@ -311,16 +318,28 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         ignore.append(r"mtp\.")
     if cfg.tie_word_embeddings:
         ignore.append(re.escape("lm_head.weight"))
-    place = None if mesh is None else sharding.loader(mesh, cfg)
+    put = (lambda key, host: jax.device_put(host)) if mesh is None else sharding.loader(mesh, cfg)
+
+    def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
+        return put(key, gdn_channels(cfg, key, host))
+
     arrays = checkpoint.load_state(path, expected, ignore=ignore, place=place, progress=progress)
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
     target = Target(cfg, graphdef, params)
     return target if quantized is None else quant.convert(target, quantized)
 
 
+def hf_tensors(target: Target) -> dict[str, np.ndarray]:
+    """The target's parameters as HF checkpoint tensors: key -> host array, as stored (dtype, fused experts,
+    MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order (``gdn_channels``)."""
+    return {key: gdn_channels(target.cfg, key, np.asarray(v.get_value()), to_hf=True)
+            for key, v in ((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(target.params))}
+
+
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
     """Writes a fast converted copy of a loaded target: its config.json (and tokenizer files) from
     ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``.
+    The orbax tree holds the parameters as the model does: GDN channels head-grouped (``GatedDeltaNet``).
 
     The copy replaces ``path`` atomically (``atomic.directory_writer``: an interrupted write keeps the
     previous copy, a concurrent second writer fails, a ``path`` that is or holds ``source`` is refused) and
@@ -336,6 +355,6 @@ def save_converted(target: Target, source: str | Path, path: str | Path) -> None
                 shutil.copy(f, tmp / f.name)
         checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
         meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
-                "mxfp4": quant.layout(target.module())}
+                "mxfp4": quant.layout(target.module()), "gdn_channels": GDN_LAYOUT}
         (tmp / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
         atomic.write_manifest(tmp)

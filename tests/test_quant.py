@@ -249,7 +249,7 @@ def _write_dense(target, path):
     """The target as an HF checkpoint in transformers' per-expert layout (with the writer's helper
     on a dense model, which only splits the experts)."""
     path.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_safetensors(path / "model.safetensors", quant._tensors(target.params, np.float32))
+    checkpoint.write_safetensors(path / "model.safetensors", quant._tensors(target, np.float32))
     raw = {"architectures": ["Qwen3_5MoeForCausalLM" if target.cfg.is_moe else "Qwen3_5ForCausalLM"],
            "layer_types": list(target.cfg.layer_types), **{k: v for k, v in _COMMON.items() if k != "layer_types"},
            "partial_rotary_factor": 0.25, "tie_word_embeddings": False}
@@ -267,7 +267,7 @@ def test_hand_written_quark_checkpoint_dequantizes_to_known_values(tmp_path):
     byte 130 is 2^3. The wrong nibble order would give (48, 4), a wrong bias 2^2 or 2^4."""
     target = init_target(CONFIGS["moe"], dtype=jnp.float32, seed=0)
     raw = _write_dense(target, tmp_path / "src")
-    tensors = quant._tensors(target.params, np.float32)
+    tensors = quant._tensors(target, np.float32)
     known = {"model.layers.0.mlp.shared_expert.down_proj": (32, 32),     # a Linear [out, in]
              "model.layers.0.mlp.experts.2.up_proj": (32, 32)}           # one expert's slice
     for name, (n_out, n_in) in known.items():

@@ -6,7 +6,9 @@ worker builds tiny dense and MoE targets (random weights; head counts chosen so 
 some fall back to replicated), a DFlash drafter and the MTP head, and compares greedy outputs of plain,
 DFlash and MTP decoding on (data x model x expert) meshes with the single-device outputs. It checks
 the compiled program (prefill + the decode loop) for all-gathers of whole or partly gathered weights,
-caches or logits, and that a checkpoint loaded onto a mesh equals the one loaded on one device.
+caches or logits, and, where the model axis divides the GDN key heads, for any all-gather or
+collective-permute of the GDN channels in the decode steps (``gdn_moves``); and that a checkpoint
+loaded onto a mesh equals the one loaded on one device.
 "pallas" cases run the Pallas kernels (interpreted on a CPU: ``pallas_mode``) on the mesh, each in
 ``shard_map`` over its rows and heads (``kernels/dispatch.per_head``), against the same kernels on one
 device; "kernels" cases do the same for each per-head kernel alone, on inputs in the table's layout,
@@ -124,6 +126,7 @@ def _generate(kind, method, mesh_shape, models, refs, hlo: bool, kernels: str = 
         state_sh = sharding.state_shardings(state, len(lengths), *sharding.layouts(mesh, target.cfg, proposer))
         text = compiled.as_text()
         out["violations"] = gathered(text, params, state, state_sh)
+        out["gdn_moves"] = gdn_moves(text, target.cfg, mesh_shape[1], block)
         out["collectives"] = len(sharding_report.collectives(text))
     jax.clear_caches()
     return out
@@ -158,6 +161,20 @@ def gathered(hlo: str, params, state, state_sh) -> list[str]:
     return bad
 
 
+def gdn_moves(hlo: str, cfg, model: int, block: int) -> list[str]:
+    """All-gathers and collective-permutes in the decode steps of a Gated DeltaNet channel array: [rows, n, c]
+    with n the verify block or the conv window (K-1) and c the channel axis C or its q / k / v part (Hk*Dk,
+    Hv*Dv), whole or one model shard's share: the conv inputs and outputs, their q / k / v slices, the window."""
+    from dflash_jax import sharding_report
+
+    whole = (cfg.conv_dim, cfg.linear_key_dim, cfg.linear_value_dim)
+    channels = set(whole) | {c // model for c in whole}
+    return [f"{c['op']} {c['shapes']} {c['name']}" for c in sharding_report.collectives(hlo)
+            if c["op"] in ("all-gather", "collective-permute") and "jit(init)" not in c["name"]
+            and any(len(s) == 3 and s[1] in (block, cfg.linear_conv_kernel_dim - 1) and s[2] in channels
+                    for s in c["shapes"])]
+
+
 def _load(kind, mesh_shape, tmp: Path):
     """Writes an HF-layout checkpoint of the tiny target and loads it on one device and on a mesh."""
     import jax
@@ -167,15 +184,14 @@ def _load(kind, mesh_shape, tmp: Path):
 
     from dflash_jax import checkpoint, sharding
     from dflash_jax.config import TargetConfig
-    from dflash_jax.target import init_target, load_target
+    from dflash_jax.target import hf_tensors, init_target, load_target
 
     path = tmp / f"{kind}_ckpt"
     path.mkdir(parents=True, exist_ok=True)
     raw = DENSE if kind == "dense" else MOE
     (path / "config.json").write_text(json.dumps(raw))
     src = init_target(TargetConfig.from_hf(raw), dtype=jnp.float32, mtp=True, seed=3)
-    checkpoint.write_safetensors(path / "model.safetensors", {
-        ".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(src.params)})
+    checkpoint.write_safetensors(path / "model.safetensors", hf_tensors(src))
     mesh = _mesh(mesh_shape)
     one = load_target(path, dtype=jnp.float32, progress=False)
     many = load_target(path, dtype=jnp.float32, progress=False, mesh=mesh)
@@ -294,8 +310,9 @@ def _case_name(case) -> str:
 
 FAST = [["hlo", "dense", "dflash", [2, 4, 1]], ["hlo", "moe", "mtp", [1, 2, 4]], ["load", "moe", [2, 2, 2]],
         ["kernels", "pallas", [1, 8, 1]], ["kernels", "pallas", [2, 2, 2]]]
-# Every (kind, method, mesh): the (1, 8, 1) ones also check the compiled program's gathers.
-FULL = ([["hlo" if mesh == (1, 8, 1) else "gen", kind, method, list(mesh)]
+# Every (kind, method, mesh): the (1, 8, 1) and (2, 4, 1) ones also check the compiled program's gathers
+# (at model 4 the GDN channels shard: 4 key heads).
+FULL = ([["hlo" if mesh in ((1, 8, 1), (2, 4, 1)) else "gen", kind, method, list(mesh)]
          for kind in ("dense", "moe") for method in METHODS for mesh in MESHES]
         + [["gen", "moe", method, list(mesh)] for method in METHODS for mesh in EXPERT_MESHES]
         + [["load", kind, list(mesh)] for kind in ("dense", "moe") for mesh in ((1, 8, 1), (4, 2, 1))]
@@ -315,11 +332,16 @@ def _check(case, result):
         assert any("q_proj" in k for k in result["sharded"]), result["sharded"]
         if case[1] == "moe":
             assert any("experts" in k for k in result["sharded"]), result["sharded"]
+        if DENSE["linear_num_key_heads"] % case[2][1] == 0:  # and the GDN channels, by key-head groups
+            assert {"model.layers.0.linear_attn.in_proj_qkv.weight",
+                    "model.layers.0.linear_attn.conv1d.weight"} <= set(result["sharded"]), result["sharded"]
         return
     assert result["equal"], f"{_case_name(case)}: sharded {result['got']} != single-device {result['want']}"
     if case[0] == "hlo":
         assert not result["violations"], result["violations"]
         assert result["collectives"] > 0  # the program is partitioned, not replicated
+        if DENSE["linear_num_key_heads"] % case[3][1] == 0:  # GDN channels sharded by key-head groups
+            assert not result["gdn_moves"], result["gdn_moves"]
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from hf_oracle import hf_hidden_states, hf_logits
 
+from dflash_jax import target as target_module
 from dflash_jax.cache import AttentionCache, GDNCache
+from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.target import Target, load_target, save_converted
+from dflash_jax.target import Target, hf_tensors, load_target, save_converted
 
 LENGTHS = (1, 17, 64, 100)  # 64 is the GDN chunk; 100 crosses it
 BUCKET, CAPACITY, TAPS = 100, 128, (2, 0)
@@ -173,7 +175,7 @@ def test_config_errors(tmp_path):
         TargetConfig.from_pretrained(tmp_path)
 
 
-def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path):
+def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path, monkeypatch):
     _, path = hf_moe
     tg = load_target(path, dtype=jnp.bfloat16, progress=False)
     save_converted(tg, path, tmp_path / "converted")
@@ -182,6 +184,24 @@ def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path):
     for a, b in zip(jax.tree.leaves(tg.params), jax.tree.leaves(again.params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # A copy whose recorded GDN channel order is not the model's (an older copy) is refused, not misread.
+    monkeypatch.setattr(target_module, "GDN_LAYOUT", "another order")
+    with pytest.raises(CheckpointError, match="convert it again"):
+        load_target(tmp_path / "converted")
+
+
+def test_saved_tensors_are_the_checkpoint_s(hf_dense):
+    """``hf_tensors`` (what the safetensors writers write) gives back transformers' own tensors, the GDN
+    q | k | v rows included, though the loaded model holds those rows head-grouped."""
+    hf, path = hf_dense
+    tg = load_target(path, dtype=jnp.float32, progress=False)
+    theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
+    ours = hf_tensors(tg)
+    for key, a in ours.items():
+        np.testing.assert_array_equal(a, theirs[key], err_msg=key)
+    qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    loaded = np.asarray(tg.params["model"]["layers"][0]["linear_attn"]["in_proj_qkv"]["weight"].get_value())
+    assert ours[qkv].shape == loaded.shape and not np.array_equal(ours[qkv], loaded)
 
 
 def test_verify_and_commit_donate_the_cache(pair):

@@ -15,11 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 
 from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
-from dflash_jax.target import Target, forward, init_target
+from dflash_jax.target import Target, forward, hf_tensors, init_target
 from dflash_jax.train import loop
 
 
@@ -65,8 +64,7 @@ def save_target(path: str | Path, target: Target) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(hf_config(target.cfg), indent=2))  # each file whole
-    tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(target.params)}
-    checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
+    checkpoint.write_safetensors(path / "model.safetensors", hf_tensors(target), metadata={"format": "pt"})
 
 
 def lm_loss_fn(graphdef):
