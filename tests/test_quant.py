@@ -338,6 +338,33 @@ def test_save_quark_round_trip_and_orbax_copy(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_mxfp4_gdn_rows_move_with_their_scales(tmp_path):
+    """``in_proj_qkv``'s codes and per-row scales are rows of the GDN channel axis (held head-grouped):
+    ``save_quark`` writes them in HF order, equal to the HF tensor quantized as it stands, and loaded
+    they dequantize to the rows of the dense load (rows scaled by 2^0 .. 2^4, so a scale left behind
+    its row would show)."""
+    from safetensors.numpy import load_file
+
+    target = init_target(CONFIGS["dense"], dtype=jnp.float32, seed=7)
+    _write_dense(target, tmp_path / "src")
+    key = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    tensors = quant._tensors(target, np.float32)
+    tensors[key] = tensors[key] * 2.0 ** (np.arange(len(tensors[key])) % 5)[:, None]
+    checkpoint.write_safetensors(tmp_path / "src" / "model.safetensors", tensors)
+    qcfg = quant.QuantConfig(exclude=quant.DEFAULT_EXCLUDE)
+    q = quant.convert(load_target(tmp_path / "src", dtype=jnp.float32, progress=False), True, qcfg)
+    quant.save_quark(q, qcfg, tmp_path / "src", tmp_path / "out", dtype=jnp.float32)
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    codes, scales = mxfp4.quantize_mxfp4(jnp.asarray(tensors[key]))
+    np.testing.assert_array_equal(written[key], np.asarray(codes))
+    np.testing.assert_array_equal(written[key + "_scale"], np.asarray(scales))
+    assert len(np.unique(written[key + "_scale"])) > 1
+    back = load_target(tmp_path / "out", dtype=jnp.float32, progress=False, quantized=False)
+    want = quant.convert(q, False)
+    layer = lambda t: t.params["model"]["layers"][0]["linear_attn"]["in_proj_qkv"]["weight"].get_value()  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(layer(back)), np.asarray(layer(want)))
+
+
 def test_dense_checkpoint_quantized_at_load(tmp_path):
     target = init_target(CONFIGS["dense"], dtype=jnp.float32, seed=6)
     _write_dense(target, tmp_path / "src")
