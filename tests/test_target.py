@@ -190,18 +190,28 @@ def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path, monkeypatch):
         load_target(tmp_path / "converted")
 
 
-def test_saved_tensors_are_the_checkpoint_s(hf_dense):
-    """``hf_tensors`` (what the safetensors writers write) gives back transformers' own tensors, the GDN
-    q | k | v rows included, though the loaded model holds those rows head-grouped."""
+def test_saved_tensors_are_the_checkpoint_s(hf_dense, tmp_path):
+    """A target saved as safetensors (``train.lm.save_target``, through ``hf_tensors``) holds transformers'
+    own tensors, the GDN q | k | v rows included, though the loaded model holds those rows head-grouped;
+    loaded back it is the same model."""
+    from safetensors.numpy import load_file
+
+    from dflash_jax.train.lm import save_target
+
     hf, path = hf_dense
     tg = load_target(path, dtype=jnp.float32, progress=False)
+    save_target(tmp_path / "saved", tg)
     theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
-    ours = hf_tensors(tg)
-    for key, a in ours.items():
+    written = load_file(tmp_path / "saved" / "model.safetensors")
+    assert written.keys() == hf_tensors(tg).keys()
+    for key, a in written.items():
         np.testing.assert_array_equal(a, theirs[key], err_msg=key)
     qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"
     loaded = np.asarray(tg.params["model"]["layers"][0]["linear_attn"]["in_proj_qkv"]["weight"].get_value())
-    assert ours[qkv].shape == loaded.shape and not np.array_equal(ours[qkv], loaded)
+    assert written[qkv].shape == loaded.shape and not np.array_equal(written[qkv], loaded)
+    again = load_target(tmp_path / "saved", dtype=jnp.float32, progress=False)
+    for a, b in zip(jax.tree.leaves(tg.params), jax.tree.leaves(again.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_verify_and_commit_donate_the_cache(pair):
