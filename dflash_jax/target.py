@@ -296,8 +296,9 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
         if meta.get("gdn_channels") != GDN_LAYOUT:
             raise checkpoint.CheckpointError(
-                f"{path}: converted copy holds the Gated DeltaNet channels in the checkpoint's q | k | v order "
-                f"(written before the {GDN_LAYOUT} layout); convert it again from the HF checkpoint")
+                f"{path}: converted copy records Gated DeltaNet channel order {meta.get('gdn_channels')!r}, not "
+                f"{GDN_LAYOUT!r} (copies without one hold the checkpoint's q | k | v order); convert it again "
+                f"from the HF checkpoint")
         model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
         quant.restore_layout(model, meta.get("mxfp4"))
         graphdef, abstract = nnx.split(model)
@@ -332,8 +333,11 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
 def hf_tensors(target: Target) -> dict[str, np.ndarray]:
     """The target's parameters as HF checkpoint tensors: key -> host array, as stored (dtype, fused experts,
     MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order (``gdn_channels``)."""
-    return {key: gdn_channels(target.cfg, key, np.asarray(v.get_value()), to_hf=True)
-            for key, v in ((".".join(map(str, p)), v) for p, v in nnx.to_flat_state(target.params))}
+    out = {}
+    for path, v in nnx.to_flat_state(target.params):
+        key = ".".join(map(str, path))
+        out[key] = gdn_channels(target.cfg, key, np.asarray(v.get_value()), to_hf=True)
+    return out
 
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:

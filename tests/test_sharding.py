@@ -380,12 +380,20 @@ def test_real_shapes_layout_at_tp8():
     from dflash_jax.config import TargetConfig
 
     mesh = AbstractMesh((1, 8, 1), sharding.AXES)
-    dense = sharding.Layout.of(TargetConfig.from_hf(synthetic.REAL_SHAPES["27b"][0]), mesh)
+    dense_cfg = TargetConfig.from_hf(synthetic.REAL_SHAPES["27b"][0])
+    dense = sharding.Layout.of(dense_cfg, mesh)
     assert dense.replicated() == ["kv_heads (4) replicated: not divisible by the model axis (8)"]
     spec = lambda layout, key, shape: tuple(layout.spec(sharding.param_axes(key, len(shape)), shape))  # noqa: E731
     assert spec(dense, "model.layers.3.self_attn.q_proj.weight", (12288, 5120)) == ("model", None)
     assert spec(dense, "model.layers.3.self_attn.k_proj.weight", (1024, 5120)) == (None, None)
     assert spec(dense, "model.layers.0.linear_attn.out_proj.weight", (5120, 6144)) == (None, "model")
+    # GDN channels C = 2 x 16 x 128 + 48 x 128 (head-grouped): 2 of the 16 key-head groups per device
+    assert spec(dense, "model.layers.0.linear_attn.in_proj_qkv.weight", (10240, 5120)) == ("model", None)
+    assert spec(dense, "model.layers.0.linear_attn.in_proj_qkv.weight_scale", (10240, 160)) == ("model", None)
+    assert spec(dense, "model.layers.0.linear_attn.conv1d.weight", (10240, 1, 4)) == ("model", None, None)
+    wide = sharding.Layout.of(dense_cfg, AbstractMesh((1, 32, 1), sharding.AXES))  # 32 does not divide 16 groups
+    assert spec(wide, "model.layers.0.linear_attn.in_proj_qkv.weight", (10240, 5120)) == (None, None)
+    assert "gdn_channels (16) replicated: not divisible by the model axis (32)" in wide.replicated()
     assert spec(dense, "lm_head.weight", (248320, 5120)) == ("model", None)
     # MXFP4 (quant.py): packed codes [out, in/2] and scales [out, in/32] split like their weight
     assert spec(dense, "model.layers.3.self_attn.o_proj.weight", (5120, 3072)) == (None, "model")
