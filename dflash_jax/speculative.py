@@ -404,18 +404,6 @@ class SpeculativeLoop:
         return self.decode(params, self.init(params, prompts, prompt_lens, rng))[0]
 
 
-def _check_prompt_lens(prompts, prompt_lens) -> None:
-    """Concrete prompts [B, P] and prompt_lens [B] must agree and every length lie in 1..P."""
-    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
-        return  # traced by the caller's jit: shapes are checked at trace time, values cannot be
-    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
-    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
-        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
-    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
-    if bad.size:
-        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
-
-
 def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
     if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
         raise ValueError(f"prompt {b}: token ids must be a flat list of integers, got dtype {row.dtype}, "
@@ -424,6 +412,27 @@ def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
         bad = row[(row < 0) | (row >= vocab_size)]
         if bad.size:
             raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
+    """(params, prompts [B, P], prompt_lens [B]) as ``loop.run`` / ``loop.init`` take them: concrete prompts
+    checked (shapes, every length in 1..P, the token ids before each length in the target's vocabulary)
+    and, with the loop's mesh, params and rows placed on it; traced ones (the caller's jit) as given,
+    their shapes checked at trace time and their values not at all."""
+    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
+        return params, prompts, prompt_lens
+    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
+    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
+    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
+    if bad.size:
+        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
+    for b in range(prompts.shape[0]):
+        _check_token_ids(prompts[b, :lens[b]], b, loop.cfg.vocab_size)
+    if loop.mesh is None:
+        return params, prompts, lens
+    params = sharding.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
+    return (params, *sharding.shard_rows(loop.mesh, prompts, lens))
 
 
 def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(), *,
@@ -442,17 +451,9 @@ def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecC
       Concrete prompts are checked (token ids in the vocabulary, lengths in 1..P) before compiling.
     """
     loop = SpeculativeLoop.of(target, proposer, spec, mesh)
-    vocab = target.cfg.vocab_size
 
     def generate_fn(params, prompts, prompt_lens, rng):
-        _check_prompt_lens(prompts, prompt_lens)
-        if not isinstance(prompts, jax.core.Tracer):
-            concrete, lens = np.asarray(prompts), np.asarray(prompt_lens)
-            for b in range(concrete.shape[0]):
-                _check_token_ids(concrete[b, :lens[b]], b, vocab)
-            if mesh is not None:
-                params = sharding.shard_params(params, mesh, target.cfg, proposer)
-                prompts, prompt_lens = sharding.shard_rows(mesh, concrete, lens)
+        params, prompts, prompt_lens = _inputs(loop, params, prompts, prompt_lens)
         return loop.run(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
 
     return generate_fn
@@ -503,13 +504,9 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     if block == 1:
         proposer, pparams = NoProposer(), ()
     rows = [list(p) for p in prompts]
-    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
-                                  vocab_size=target.cfg.vocab_size)
-    loop, params = SpeculativeLoop.of(target, proposer, spec, mesh), (target.params, pparams)
-    if mesh is not None:
-        params = sharding.shard_params(params, mesh, target.cfg, proposer)
-        tokens, lengths = sharding.shard_rows(mesh, tokens, lengths)
-    return loop, params, tokens, lengths
+    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)))
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
+    return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
 
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,

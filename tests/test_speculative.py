@@ -514,3 +514,33 @@ def test_memory_check_counts_the_proposer_state_and_splits_rows_over_the_data_ax
     dataclasses.replace(loop, mesh=mesh)._check_held(4, capacity, caches)
     with pytest.raises(ValueError, match="cannot be held"):  # 3 rows do not split over 2: replicated
         dataclasses.replace(loop, mesh=mesh)._check_held(3, capacity, caches)
+
+
+def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
+    """generate, stream and make_generate's function refuse the same bad token id with the same message and,
+    on a mesh, place params and rows through the same call (sharding.shard_params / shard_rows), with
+    the output of the run without a mesh; a traced prompt batch (the caller's jit) is left to the trace."""
+    from dflash_jax import sharding
+
+    target, placed = _tiny_vocab_target(), []
+    real_params, real_rows = sharding.shard_params, sharding.shard_rows
+    monkeypatch.setattr(sharding, "shard_params", lambda *a: placed.append("params") or real_params(*a))
+    monkeypatch.setattr(sharding, "shard_rows", lambda *a: placed.append("rows") or real_rows(*a))
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    prompts, kw = [[1, 2, 3], [4, 5]], dict(max_new_tokens=3, stop_ids=())
+    spec = SpecConfig(block_size=1, **kw)
+    runs = {"generate": lambda p, **m: generate(target, p, **kw, **m).token_lists(),
+            "stream": lambda p, **m: [sum(c, []) for c in zip(*stream(target, p, **kw, **m), strict=True)],
+            "make_generate": lambda p, **m: make_generate(target, NoProposer(), spec, **m)(
+                (target.params, ()), *pad_prompts(p, 8), 0).token_lists()}
+    for name, run in runs.items():
+        with pytest.raises(ValueError, match=f"prompt 1: token id {V} is outside the vocabulary \\[0, {V}\\)"):
+            run([[1, 2], [3, V]], mesh=mesh)
+        placed.clear()
+        assert run(prompts, mesh=mesh) == run(prompts), name
+        assert placed == ["params", "rows"], name
+    placed.clear()
+    tokens, lengths = pad_prompts([[1, 2, 3]], 8)
+    tokens[0, 1] = V  # traced: the ids cannot be read, nothing is placed (the caller's jit places them)
+    jax.eval_shape(make_generate(target, NoProposer(), spec, mesh=mesh), (target.params, ()), tokens, lengths, 0)
+    assert placed == []
