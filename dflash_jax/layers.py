@@ -49,10 +49,6 @@ class Embedding(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], tokens, axis=0)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: logits against the embedding table."""
-        return jnp.einsum("...d,vd->...v", x, self.weight[...])
-
 
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis.
