@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import warnings
 
@@ -544,3 +546,46 @@ def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
     tokens[0, 1] = V  # traced: the ids cannot be read, nothing is placed (the caller's jit places them)
     jax.eval_shape(make_generate(target, NoProposer(), spec, mesh=mesh), (target.params, ()), tokens, lengths, 0)
     assert placed == []
+
+
+def _vocabulary_reductions(fn, *args, vocab):
+    """The reductions over a [..., vocab] operand's last axis in fn's jaxpr (sub-jaxprs included)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+            axes = eqn.params.get("axes", ())
+            shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+            if eqn.primitive.name.startswith(("reduce_", "argm")) and shape and shape[-1] == vocab \
+                    and len(shape) - 1 in axes:
+                yield eqn.primitive.name
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_the_finiteness_check_reads_the_peak_and_costs_greedy_no_pass_over_the_vocabulary():
+    """A row is non-finite when its logits' peak after the temperature is not finite: a NaN anywhere, a +inf,
+    or all -inf (a -inf beside a finite peak is a token of probability 0, not an error). Greedy reads the
+    peak at the argmax its rule chose, so the greedy step makes no pass over the vocabulary beyond the
+    acceptance rule's; sampling makes one (a max)."""
+    cfg = TargetConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2,
+                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
+                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
+                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
+    target = init_target(cfg, seed=3)
+    x = np.tile(np.linspace(-3.0, 3.0, 37, dtype=np.float32), (6, 1))
+    x[1, 5], x[2, 7], x[3], x[4, 2], x[5, 9] = np.nan, np.inf, -np.inf, -np.inf, 3e38
+    tokens, lengths = pad_prompts([[1, 2, 3], [4, 5]], 8)
+    params = (target.params, OracleParams(jnp.zeros((2, 16), jnp.int32), jnp.array([1])))
+    for temperature, want, extra in ((0.0, [True, False, False, False, True, True], {}),
+                                     (0.5, [True, False, False, False, True, False], {"reduce_max": 1})):
+        spec = SpecConfig(block_size=4, max_new_tokens=6, stop_ids=(), sampling=SamplingConfig(temperature))
+        loop = gen.SpeculativeLoop.of(target, OracleProposer(37), spec)
+        # 3e38 / 0.5 overflows: not a finite peak when sampling.
+        np.testing.assert_array_equal(loop._finite(jnp.asarray(x), jnp.argmax(jnp.asarray(x), -1)), want)
+        state = loop.init(params, tokens, lengths, 0)
+        draft = loop.draft(params, state)
+        verified = loop.check(params, state, draft)
+        settle = _vocabulary_reductions(loop.settle, params, state, draft, verified, vocab=37)
+        rule = _vocabulary_reductions(functools.partial(sampling.accept, cfg=spec.sampling), draft.tokens, draft.q,
+                                      verified.out.logits, draft.accept_keys, vocab=37)
+        assert collections.Counter(settle) - collections.Counter(rule) == collections.Counter(extra), (settle, rule)
