@@ -567,11 +567,8 @@ def test_the_finiteness_check_reads_the_peak_and_costs_greedy_no_pass_over_the_v
     or all -inf (a -inf beside a finite peak is a token of probability 0, not an error). Greedy reads the
     peak at the argmax its rule chose, so the greedy step makes no pass over the vocabulary beyond the
     acceptance rule's; sampling makes one (a max)."""
-    cfg = TargetConfig(vocab_size=37, hidden_size=16, num_hidden_layers=2,
-                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
-    target = init_target(cfg, seed=3)
+    # A vocabulary of 37, a size no other axis has, so that the reductions over it can be told apart.
+    target = init_target(dataclasses.replace(_tiny_vocab_target().cfg, vocab_size=37), seed=3)
     x = np.tile(np.linspace(-3.0, 3.0, 37, dtype=np.float32), (6, 1))
     x[1, 5], x[2, 7], x[3], x[4, 2], x[5, 9] = np.nan, np.inf, -np.inf, -np.inf, 3e38
     tokens, lengths = pad_prompts([[1, 2, 3], [4, 5]], 8)
