@@ -3,8 +3,9 @@ exports, benchmark results.
 
 Everything is written into a fresh hidden sibling (``.NAME.tmp-<pid>-<random>``), flushed to disk, then
 moved over ``NAME`` in one rename (for a directory that replaces an existing one: an atomic exchange,
-then the old content is removed). An interrupted writer therefore leaves the previous ``NAME``
-untouched, plus at most a stray hidden temporary. A directory writer holds an exclusive lock
+then the old content is removed); a symlinked ``NAME`` is written through (what it points to is
+replaced, the link kept). An interrupted writer therefore leaves the previous ``NAME`` untouched, plus
+at most a stray hidden temporary. A directory writer holds an exclusive lock
 (``.NAME.lock`` beside it) for the whole write: a second concurrent writer fails at once with
 ``WriteError`` instead of mixing its files with the first one's, and a write refuses an output that is
 or holds the checkpoint it reads (``source``: replacing the output would delete it). ``write_manifest`` /
@@ -38,6 +39,16 @@ class WriteError(OSError):
 
 class IntegrityError(ValueError):
     """A written directory that is incomplete or whose files no longer match their manifest."""
+
+
+def _resolved(path: str | Path) -> Path:
+    """The path a write replaces: ``path`` absolute, its symlinks resolved. A write through a symlinked
+    output replaces what the link points to (beside it, in its folder) and keeps the link; replacing the
+    link itself would leave the old link behind as a temporary and the old content where it points."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise WriteError(f"cannot write {path}: {e}") from e
 
 
 def _temp_sibling(path: Path, kind: str) -> Path:
@@ -87,8 +98,9 @@ def write_text(path: str | Path, text: str) -> None:
 
 @contextlib.contextmanager
 def file_writer(path: str | Path) -> Iterator[BinaryIO]:
-    """``with file_writer(p) as f: f.write(...)``: the file at ``p`` appears, whole, only if the block ends."""
-    path = Path(path)
+    """``with file_writer(p) as f: f.write(...)``: the file at ``p`` (a symlink: the file it points to)
+    appears, whole, only if the block ends."""
+    path = _resolved(path)
     tmp = _temp_sibling(path, "tmp")
     try:
         f = open(tmp, "wb")
@@ -125,21 +137,22 @@ def _exchange(a: Path, b: Path) -> bool:
 def check_replaceable(path: str | Path, *, replaces: Callable[[Path], bool] | None = None, what: str = "output",
                       source: str | Path | None = None) -> Path:
     """The checks ``directory_writer`` makes before it writes, on their own (a long job makes them first, so
-    that an output it may not write fails before the work, not after); returns ``path`` absolute.
+    that an output it may not write fails before the work, not after); returns the path written: ``path``
+    absolute, its symlinks resolved (a symlinked output is written through, the link kept).
 
     Raises ``WriteError`` when ``path`` is or holds the checkpoint ``source`` that the write reads (symlinks
     resolved: replacing ``path`` would delete it), ``path`` is a file, a non-empty directory for which
     ``replaces(path)`` is false (a folder of the user's that a ``what`` must not wipe), or in a parent that
     cannot be written.
     """
-    path = Path(path).absolute()
+    given, path = Path(path).absolute(), _resolved(path)
     if source is not None:
         source = Path(source).absolute()
-        real_path, real_source = path.resolve(), source.resolve()
-        if real_source.is_relative_to(real_path):
-            links = "" if (real_path, real_source) == (path, source) else \
-                f" (with symlinks resolved: {real_path} and {real_source})"
-            raise WriteError(f"the {what} {path} is or holds the source checkpoint {source}{links}; replacing it "
+        real_source = source.resolve()
+        if real_source.is_relative_to(path):
+            links = "" if (path, real_source) == (given, source) else \
+                f" (with symlinks resolved: {path} and {real_source})"
+            raise WriteError(f"the {what} {given} is or holds the source checkpoint {source}{links}; replacing it "
                              "would delete the source: write to another directory")
     if path.exists() and not path.is_dir():
         raise WriteError(f"{path} exists and is not a directory")
@@ -153,7 +166,8 @@ def check_replaceable(path: str | Path, *, replaces: Callable[[Path], bool] | No
 @contextlib.contextmanager
 def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | None = None,
                      what: str = "output", source: str | Path | None = None) -> Iterator[Path]:
-    """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` whole.
+    """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` (a symlink: the
+    directory it points to) whole.
 
     On an exception (or a kill) the previous ``path`` stays as it was. Refuses (``WriteError``) what
     ``check_replaceable`` refuses, before anything is written, and while another process is writing

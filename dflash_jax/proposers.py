@@ -25,7 +25,7 @@ from flax import nnx
 
 from dflash_jax import drafter as dr
 from dflash_jax.sampling import SamplingConfig, draft_tokens
-from dflash_jax.target import TargetOutput
+from dflash_jax.target import TargetOutput, lm_logits
 
 
 @jax.tree_util.register_dataclass
@@ -50,8 +50,8 @@ class TargetView:
         return jnp.take(self.embedding, tokens, axis=0)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """Final-normed hidden states [..., D] -> logits [..., V]."""
-        return jnp.einsum("...d,vd->...v", h, self.embedding if self.lm_head is None else self.lm_head)
+        """Final-normed hidden states [..., D] -> logits [..., V]: the target's own head (``target.lm_logits``)."""
+        return lm_logits(h, self.embedding, self.lm_head)
 
 
 @runtime_checkable

@@ -142,11 +142,16 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
             raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
                              f"shipped one, so there is no default drafter)")
         drafter = load_drafter(draft_dir, target, progress=progress)
-        too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
-        if too_big:
-            raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
-                             f"({draft_dir})")
+        check_blocks(methods, drafter, draft_dir)
     return target, drafter
+
+
+def check_blocks(methods, drafter, where) -> None:
+    """A clear error naming the DFlash ``methods`` with a block larger than ``drafter``'s (loaded from ``where``)."""
+    too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
+    if too_big:
+        raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
+                         f"({where})")
 
 
 def has_mtp(target) -> bool:

@@ -14,8 +14,8 @@ token (the anchor) is processed by the next verify, as the first token of the bl
 ``[anchor, d_1 .. d_k]``. A step emits the a accepted drafts and the bonus token, and commits the
 anchor plus the a drafts (n = a + 1) in the target and the proposer. Block size 1 (no drafts) is
 plain autoregressive decoding through the same code: the baseline every speed-up is measured against.
-A row whose target logits are not finite (NaN weights, overflow) stops with ``FinishReason.NONFINITE``
-and emits nothing from that step on.
+A row whose target logits have no finite peak (a NaN, a +inf or all -inf after the temperature: NaN
+weights, overflow) stops with ``FinishReason.NONFINITE`` and emits nothing from that step on.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class FinishReason(enum.IntEnum):
     RUNNING = 0
     STOP = 1  # emitted a stop id
     LENGTH = 2  # emitted max_new_tokens
-    NONFINITE = 3  # the target's logits were NaN or infinite (after the temperature)
+    NONFINITE = 3  # the target's logits had no finite peak (NaN, +inf or all -inf after the temperature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,11 +278,18 @@ class SpeculativeLoop:
                              f"need {nbytes / 2**30:.1f} GiB for the caches and the output alone{split}, more "
                              f"than the memory{held}; lower max_new_tokens or the batch")
 
-    def _finite(self, logits):
-        """Logits [..., V] -> [...] True where they are finite after the temperature (one reduction)."""
+    def _finite(self, logits, chosen):
+        """Logits [..., V] -> [...] True where their peak after the temperature is finite: the rules' choice
+        from them is then well defined (a NaN anywhere, a +inf or all -inf is not; -inf beside a finite peak
+        is a token of probability 0). ``chosen`` [...]: the tokens the rules chose from these logits.
+
+        Greedy reads one logit per position: the chosen token is the argmax, and argmax returns a NaN's
+        index, so its logit is the peak. Sampling takes the max over V (beside the several passes over V
+        that its rules make)."""
         t = self.spec.sampling.temperature
-        peak = jnp.max(jnp.abs(logits.astype(jnp.float32)), axis=-1)  # NaN propagates through max
-        return jnp.isfinite(peak / t if t > 0 else peak)
+        if t == 0:
+            return jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
+        return jnp.isfinite(jnp.max(logits, axis=-1).astype(jnp.float32) / t)  # max(x) / t = max(x / t), t > 0
 
     @_phase()
     def init(self, params, prompts, prompt_lens, rng) -> LoopState:
@@ -300,7 +307,7 @@ class SpeculativeLoop:
                                    prompt_lens=prompt_lens, capacity=capacity)
         self._check_held(B, capacity, (cache, state))
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
-        finite = self._finite(out.logits)
+        finite = self._finite(out.logits, first)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
                            jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
         return self._pin(LoopState(
@@ -344,10 +351,10 @@ class SpeculativeLoop:
         # Emitted this step: d_1 .. d_a, then the bonus at index a; token j is decided by the logits at j.
         # Cut after a stop id, at max_new_tokens, and before the first non-finite logits the rules read.
         j = jnp.arange(k + 1)[None, :]
-        bad = ~self._finite(logits) & (j <= a[:, None])  # [B, k+1]
+        emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])  # [B, k+1]
+        bad = ~self._finite(logits, emitted) & (j <= a[:, None])  # [B, k+1]; the rules chose emitted[:, :a+1]
         first_bad = jnp.where(bad.any(1), jnp.argmax(bad, axis=1), k + 1)
         active = s.finish == FinishReason.RUNNING
-        emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])
         is_stop = jnp.isin(emitted, jnp.asarray(self.stop_ids)) & (j <= a[:, None])
         first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), k + 1)
         count = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), jnp.minimum(max_new - s.n_out, first_bad))
@@ -404,18 +411,6 @@ class SpeculativeLoop:
         return self.decode(params, self.init(params, prompts, prompt_lens, rng))[0]
 
 
-def _check_prompt_lens(prompts, prompt_lens) -> None:
-    """Concrete prompts [B, P] and prompt_lens [B] must agree and every length lie in 1..P."""
-    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
-        return  # traced by the caller's jit: shapes are checked at trace time, values cannot be
-    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
-    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
-        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
-    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
-    if bad.size:
-        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
-
-
 def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
     if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
         raise ValueError(f"prompt {b}: token ids must be a flat list of integers, got dtype {row.dtype}, "
@@ -424,6 +419,27 @@ def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
         bad = row[(row < 0) | (row >= vocab_size)]
         if bad.size:
             raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
+    """(params, prompts [B, P], prompt_lens [B]) as ``loop.run`` / ``loop.init`` take them: concrete prompts
+    checked (shapes, every length in 1..P, the token ids before each length in the target's vocabulary)
+    and, with the loop's mesh, params and rows placed on it; traced ones (the caller's jit) as given,
+    their shapes checked at trace time and their values not at all."""
+    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
+        return params, prompts, prompt_lens
+    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
+    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
+    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
+    if bad.size:
+        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
+    for b in range(prompts.shape[0]):
+        _check_token_ids(prompts[b, :lens[b]], b, loop.cfg.vocab_size)
+    if loop.mesh is None:
+        return params, prompts, lens
+    params = sharding.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
+    return (params, *sharding.shard_rows(loop.mesh, prompts, lens))
 
 
 def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(), *,
@@ -442,17 +458,9 @@ def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecC
       Concrete prompts are checked (token ids in the vocabulary, lengths in 1..P) before compiling.
     """
     loop = SpeculativeLoop.of(target, proposer, spec, mesh)
-    vocab = target.cfg.vocab_size
 
     def generate_fn(params, prompts, prompt_lens, rng):
-        _check_prompt_lens(prompts, prompt_lens)
-        if not isinstance(prompts, jax.core.Tracer):
-            concrete, lens = np.asarray(prompts), np.asarray(prompt_lens)
-            for b in range(concrete.shape[0]):
-                _check_token_ids(concrete[b, :lens[b]], b, vocab)
-            if mesh is not None:
-                params = sharding.shard_params(params, mesh, target.cfg, proposer)
-                prompts, prompt_lens = sharding.shard_rows(mesh, concrete, lens)
+        params, prompts, prompt_lens = _inputs(loop, params, prompts, prompt_lens)
         return loop.run(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
 
     return generate_fn
@@ -503,13 +511,9 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     if block == 1:
         proposer, pparams = NoProposer(), ()
     rows = [list(p) for p in prompts]
-    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
-                                  vocab_size=target.cfg.vocab_size)
-    loop, params = SpeculativeLoop.of(target, proposer, spec, mesh), (target.params, pparams)
-    if mesh is not None:
-        params = sharding.shard_params(params, mesh, target.cfg, proposer)
-        tokens, lengths = sharding.shard_rows(mesh, tokens, lengths)
-    return loop, params, tokens, lengths
+    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)))
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
+    return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
 
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,

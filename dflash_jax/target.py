@@ -117,8 +117,21 @@ class Qwen35ForCausalLM(nnx.Module):
         self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """LM head on final-normed hidden states [..., D] -> [..., V]."""
-        return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        """LM head on final-normed hidden states [..., D] -> [..., V] (``lm_logits``, as the proposers' view)."""
+        head = None if self.lm_head is None else self.lm_head.weight[...]
+        return lm_logits(h, self.model.embed_tokens.weight[...], head)
+
+
+def lm_logits(h: jax.Array, embedding: jax.Array, lm_head: jax.Array | None) -> jax.Array:
+    """The target's LM head, for the target (``Qwen35ForCausalLM.logits``) and its proposers (``TargetView``)
+    alike: final-normed hidden states h [..., D] -> logits [..., V] against ``lm_head`` [V, D], or against
+    the embedding [V, D] when the head is tied (None). The head is a dense matrix (quant keeps it so)."""
+    head = embedding if lm_head is None else lm_head
+    if head.ndim != 2 or head.shape[1] != h.shape[-1]:
+        raise ValueError(f"the LM head must be a dense [V, {h.shape[-1]}] matrix for hidden states {h.shape}, got "
+                         f"{head.shape} (an MXFP4-packed head is not supported: quantization_config.exclude "
+                         "must cover lm_head)")
+    return jnp.einsum("...d,vd->...v", h, head)
 
 
 @jax.tree_util.register_dataclass

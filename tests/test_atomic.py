@@ -243,3 +243,41 @@ def test_directory_writer_beside_or_inside_its_source(tmp_path):
             (tmp / "a").write_text("1")
         assert _tree(out) == {"a": b"1"}
     assert (src / "model.safetensors").read_bytes() == b"weights"
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_writes_through_a_symlinked_output_replace_its_target_and_leave_nothing_behind(tmp_path, monkeypatch,
+                                                                                       exchange):
+    """A symlinked output (``--out results`` -> a folder on a bigger disk) is written through: the folder or
+    file it points to is replaced, the link stays a link, and no temporary, old copy or lock is left
+    (replacing the link itself used to leave the swapped-out link behind as a hidden temporary)."""
+    if not exchange:
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    disk, home = tmp_path / "disk", tmp_path / "home"
+    disk.mkdir(), home.mkdir()
+    (disk / "real").mkdir()
+    (disk / "real" / "old").write_text("0")
+    (home / "out").symlink_to(disk / "real")
+    (home / "later").symlink_to(disk / "later")  # dangling: its folder is made by the write
+    for link in (home / "out", home / "later"):
+        for content in ("1", "2"):
+            with atomic.directory_writer(link, replaces=lambda p: True) as tmp:
+                (tmp / "a").write_text(content)
+            assert link.is_symlink() and _tree(link) == {"a": content.encode()}, link
+        with pytest.raises(RuntimeError), atomic.directory_writer(link, replaces=lambda p: True) as tmp:
+            (tmp / "a").write_text("half")
+            raise RuntimeError("interrupted")
+        assert link.is_symlink() and _tree(link) == {"a": b"2"}
+    (disk / "f.json").write_text("old")
+    (home / "f.json").symlink_to(disk / "f.json")
+    atomic.write_text(home / "f.json", "new")
+    with pytest.raises(RuntimeError), atomic.file_writer(home / "f.json") as f:
+        f.write(b"half")
+        raise RuntimeError("disk full")
+    assert (home / "f.json").is_symlink() and (disk / "f.json").read_text() == "new"
+    assert sorted(p.name for p in home.iterdir()) == ["f.json", "later", "out"]
+    assert sorted(p.name for p in disk.iterdir()) == ["f.json", "later", "real"]
+    (home / "loop").symlink_to(home / "loop")
+    for write in (lambda: atomic.write_text(home / "loop", "x"), lambda: atomic.check_replaceable(home / "loop")):
+        with pytest.raises(atomic.WriteError, match=f"cannot write {home / 'loop'}: .*"):
+            write()

@@ -72,6 +72,30 @@ def test_target_view_is_the_targets_embedding_and_head(tie):
     np.testing.assert_allclose(view.logits(h), module.logits(h), rtol=1e-6, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_target_view_logits_are_the_targets_bit_for_bit_and_refuse_a_packed_head(tie):
+    """The view's LM head is the target's own (one function, ``target.lm_logits``): equal bits and dtype in
+    bf16, tied or not, and a head that is not a dense [V, D] matrix (MXFP4-packed [V, D/2]) is a clear error
+    from both rather than a wrong or cryptic einsum."""
+    from flax import nnx
+
+    target = _target(tie)
+    bf16 = nnx.from_flat_state([(p, v.replace(v.get_value().astype(jnp.bfloat16)))
+                                for p, v in nnx.to_flat_state(target.params)])
+    target = dataclasses.replace(target, params=bf16)
+    h = jax.random.normal(jax.random.key(1), (2, 3, 16), jnp.bfloat16)
+    got, want = TargetView.of(target.params).logits(h), target.module().logits(h)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    where = ("model", "embed_tokens", "weight") if tie else ("lm_head", "weight")
+    packed = nnx.from_flat_state([(p, v.replace(jnp.zeros((V, 8), jnp.uint8)) if p == where else v)
+                                  for p, v in nnx.to_flat_state(target.params)])
+    for logits in (TargetView.of(packed).logits, dataclasses.replace(target, params=packed).module().logits):
+        with pytest.raises(ValueError, match=r"the LM head must be a dense \[V, 16\] matrix .* got \(32, 8\)"):
+            logits(h)
+
+
 def _prefilled(target, taps, prompts_len=(5, 3)):
     P = max(prompts_len)
     rng = np.random.default_rng(0)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import warnings
 
@@ -514,3 +516,73 @@ def test_memory_check_counts_the_proposer_state_and_splits_rows_over_the_data_ax
     dataclasses.replace(loop, mesh=mesh)._check_held(4, capacity, caches)
     with pytest.raises(ValueError, match="cannot be held"):  # 3 rows do not split over 2: replicated
         dataclasses.replace(loop, mesh=mesh)._check_held(3, capacity, caches)
+
+
+def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
+    """generate, stream and make_generate's function refuse the same bad token id with the same message and,
+    on a mesh, place params and rows through the same call (sharding.shard_params / shard_rows), with
+    the output of the run without a mesh; a traced prompt batch (the caller's jit) is left to the trace."""
+    from dflash_jax import sharding
+
+    target, placed = _tiny_vocab_target(), []
+    real_params, real_rows = sharding.shard_params, sharding.shard_rows
+    monkeypatch.setattr(sharding, "shard_params", lambda *a: placed.append("params") or real_params(*a))
+    monkeypatch.setattr(sharding, "shard_rows", lambda *a: placed.append("rows") or real_rows(*a))
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    prompts, kw = [[1, 2, 3], [4, 5]], dict(max_new_tokens=3, stop_ids=())
+    spec = SpecConfig(block_size=1, **kw)
+    runs = {"generate": lambda p, **m: generate(target, p, **kw, **m).token_lists(),
+            "stream": lambda p, **m: [sum(c, []) for c in zip(*stream(target, p, **kw, **m), strict=True)],
+            "make_generate": lambda p, **m: make_generate(target, NoProposer(), spec, **m)(
+                (target.params, ()), *pad_prompts(p, 8), 0).token_lists()}
+    for name, run in runs.items():
+        with pytest.raises(ValueError, match=f"prompt 1: token id {V} is outside the vocabulary \\[0, {V}\\)"):
+            run([[1, 2], [3, V]], mesh=mesh)
+        placed.clear()
+        assert run(prompts, mesh=mesh) == run(prompts), name
+        assert placed == ["params", "rows"], name
+    placed.clear()
+    tokens, lengths = pad_prompts([[1, 2, 3]], 8)
+    tokens[0, 1] = V  # traced: the ids cannot be read, nothing is placed (the caller's jit places them)
+    jax.eval_shape(make_generate(target, NoProposer(), spec, mesh=mesh), (target.params, ()), tokens, lengths, 0)
+    assert placed == []
+
+
+def _vocabulary_reductions(fn, *args, vocab):
+    """The reductions over a [..., vocab] operand's last axis in fn's jaxpr (sub-jaxprs included)."""
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            for sub in jax.core.jaxprs_in_params(eqn.params):
+                yield from walk(sub)
+            axes = eqn.params.get("axes", ())
+            shape = getattr(eqn.invars[0].aval, "shape", ()) if eqn.invars else ()
+            if eqn.primitive.name.startswith(("reduce_", "argm")) and shape and shape[-1] == vocab \
+                    and len(shape) - 1 in axes:
+                yield eqn.primitive.name
+    return list(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+def test_the_finiteness_check_reads_the_peak_and_costs_greedy_no_pass_over_the_vocabulary():
+    """A row is non-finite when its logits' peak after the temperature is not finite: a NaN anywhere, a +inf,
+    or all -inf (a -inf beside a finite peak is a token of probability 0, not an error). Greedy reads the
+    peak at the argmax its rule chose, so the greedy step makes no pass over the vocabulary beyond the
+    acceptance rule's; sampling makes one (a max)."""
+    # A vocabulary of 37, a size no other axis has, so that the reductions over it can be told apart.
+    target = init_target(dataclasses.replace(_tiny_vocab_target().cfg, vocab_size=37), seed=3)
+    x = np.tile(np.linspace(-3.0, 3.0, 37, dtype=np.float32), (6, 1))
+    x[1, 5], x[2, 7], x[3], x[4, 2], x[5, 9] = np.nan, np.inf, -np.inf, -np.inf, 3e38
+    tokens, lengths = pad_prompts([[1, 2, 3], [4, 5]], 8)
+    params = (target.params, OracleParams(jnp.zeros((2, 16), jnp.int32), jnp.array([1])))
+    for temperature, want, extra in ((0.0, [True, False, False, False, True, True], {}),
+                                     (0.5, [True, False, False, False, True, False], {"reduce_max": 1})):
+        spec = SpecConfig(block_size=4, max_new_tokens=6, stop_ids=(), sampling=SamplingConfig(temperature))
+        loop = gen.SpeculativeLoop.of(target, OracleProposer(37), spec)
+        # 3e38 / 0.5 overflows: not a finite peak when sampling.
+        np.testing.assert_array_equal(loop._finite(jnp.asarray(x), jnp.argmax(jnp.asarray(x), -1)), want)
+        state = loop.init(params, tokens, lengths, 0)
+        draft = loop.draft(params, state)
+        verified = loop.check(params, state, draft)
+        settle = _vocabulary_reductions(loop.settle, params, state, draft, verified, vocab=37)
+        rule = _vocabulary_reductions(functools.partial(sampling.accept, cfg=spec.sampling), draft.tokens, draft.q,
+                                      verified.out.logits, draft.accept_keys, vocab=37)
+        assert collections.Counter(settle) - collections.Counter(rule) == collections.Counter(extra), (settle, rule)
