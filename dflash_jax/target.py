@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 import shutil
 from pathlib import Path
@@ -293,12 +292,10 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         checkpoint.verify(path, "conversion")  # before anything in it is read
     cfg, qcfg = quant.read_target_config(path)  # qcfg None: a dense checkpoint
     if converted:
-        meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
-        if meta.get("gdn_channels") != GDN_LAYOUT:
-            raise checkpoint.CheckpointError(
-                f"{path}: converted copy records Gated DeltaNet channel order {meta.get('gdn_channels')!r}, not "
-                f"{GDN_LAYOUT!r} (copies without one hold the checkpoint's q | k | v order); convert it again "
-                f"from the HF checkpoint")
+        meta = checkpoint.read_meta(path / CONVERTED)
+        checkpoint.check_meta(path, meta, {"gdn_channels": GDN_LAYOUT},
+                              "a converted copy without it holds the Gated DeltaNet channels in the checkpoint's "
+                              "q | k | v order: convert it again from the HF checkpoint")
         model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
         quant.restore_layout(model, meta.get("mxfp4"))
         graphdef, abstract = nnx.split(model)
@@ -360,5 +357,5 @@ def save_converted(target: Target, source: str | Path, path: str | Path) -> None
         checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
         meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
                 "mxfp4": quant.layout(target.module()), "gdn_channels": GDN_LAYOUT}
-        (tmp / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
+        checkpoint.write_meta(tmp / CONVERTED, meta)
         atomic.write_manifest(tmp)

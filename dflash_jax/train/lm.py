@@ -18,7 +18,7 @@ import optax
 
 from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
-from dflash_jax.target import Target, forward, hf_tensors, init_target
+from dflash_jax.target import GDN_LAYOUT, Target, forward, hf_tensors, init_target
 from dflash_jax.train import loop
 
 
@@ -81,7 +81,7 @@ def train_target(cfg: TargetConfig, batches, tcfg: loop.TrainConfig, *, seed: in
     """Pretrains a fresh target (no MTP head) with next-token CE; returns it and the loop's result."""
     target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed)
     res = loop.train(lm_loss_fn(target.graphdef), target.params, None, batches, tcfg, ckpt_dir=ckpt_dir,
-                     desc="target", log_file=log_file)
+                     desc="target", log_file=log_file, meta={"gdn_channels": GDN_LAYOUT})
     return Target(cfg, target.graphdef, res.params), res
 
 
