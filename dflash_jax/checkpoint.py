@@ -183,12 +183,17 @@ def _read(f, entry: _Entry) -> np.ndarray:
     return buf.view(entry.dtype).reshape(entry.shape)
 
 
+def to_device(key: str, host: np.ndarray) -> jax.Array:
+    """``load_state``'s default placement: the whole tensor on the default device."""
+    return jax.device_put(host)
+
+
 def load_state(
     path,
     expected: Mapping[str, jax.ShapeDtypeStruct],
     *,
     ignore: Sequence[str] = (),
-    place: Callable[[str, np.ndarray], jax.Array] | None = None,
+    place: Callable[[str, np.ndarray], jax.Array] = to_device,
     progress: bool = True,
 ) -> dict[str, jax.Array]:
     """Loads exactly the keys of ``expected`` from the checkpoint at ``path``.
@@ -196,8 +201,8 @@ def load_state(
     File keys matching any regex in ``ignore`` (``re.match``, tried on the file key and on its
     normalised form) are skipped. Every mismatch (missing, unexpected, duplicated, mis-shaped tensor)
     is found from the headers alone and raised as one CheckpointError before any data is read.
+    ``place(canonical key, host array)`` puts each tensor on device(s) as it is read.
     """
-    place = place or (lambda key, a: jax.device_put(a))
     ignore_re = [re.compile(p) for p in ignore]
     entries = _entries(checkpoint_files(path))
 

@@ -1,10 +1,12 @@
 """The Qwen3.5 target model (dense and MoE) and its speculative cache protocol: prefill, verify, commit.
 
 Sits on top of ``layers.py`` and ``cache.py`` and below the proposers and the loop. The NNX modules
-mirror the HF checkpoint tree, so a parameter's path is its checkpoint key. At jit boundaries the
-model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify`` merge them inside the
-trace. Both return the hidden states of requested layers ("taps": the output of layer i, HF's
-``hidden_states[i + 1]``), which the DFlash drafter consumes.
+mirror the HF checkpoint tree, so a parameter's path is its checkpoint key; but the Gated DeltaNet
+channel rows (``in_proj_qkv``, ``conv1d``) are head-grouped (``layers.gdn_channel_order``), not the
+checkpoint's q | k | v: ``load_target`` permutes them as it reads, ``layers.hf_tensors`` back. At
+jit boundaries the model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify``
+merge them inside the trace. Both return the hidden states of requested layers ("taps": the output
+of layer i, HF's ``hidden_states[i + 1]``), which the DFlash drafter consumes.
 
 The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below keep together:
 ``verify(tokens[B, T], cache)`` processes T tokens per row without deciding what is kept, and
@@ -28,7 +30,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax import atomic, checkpoint, quant, sharding
@@ -316,7 +317,7 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         ignore.append(r"mtp\.")
     if cfg.tie_word_embeddings:
         ignore.append(re.escape("lm_head.weight"))
-    put = (lambda key, host: jax.device_put(host)) if mesh is None else sharding.loader(mesh, cfg)
+    put = checkpoint.to_device if mesh is None else sharding.loader(mesh, cfg)
 
     def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
         return put(key, gdn_channels(cfg, key, host))
@@ -325,16 +326,6 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
     target = Target(cfg, graphdef, params)
     return target if quantized is None else quant.convert(target, quantized)
-
-
-def hf_tensors(target: Target) -> dict[str, np.ndarray]:
-    """The target's parameters as HF checkpoint tensors: key -> host array, as stored (dtype, fused experts,
-    MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order (``gdn_channels``)."""
-    out = {}
-    for path, v in nnx.to_flat_state(target.params):
-        key = ".".join(map(str, path))
-        out[key] = gdn_channels(target.cfg, key, np.asarray(v.get_value()), to_hf=True)
-    return out
 
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:

@@ -18,7 +18,8 @@ import optax
 
 from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
-from dflash_jax.target import GDN_LAYOUT, Target, forward, hf_tensors, init_target
+from dflash_jax.layers import hf_tensors
+from dflash_jax.target import GDN_LAYOUT, Target, forward, init_target
 from dflash_jax.train import loop
 
 
@@ -64,7 +65,8 @@ def save_target(path: str | Path, target: Target) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(hf_config(target.cfg), indent=2))  # each file whole
-    checkpoint.write_safetensors(path / "model.safetensors", hf_tensors(target), metadata={"format": "pt"})
+    checkpoint.write_safetensors(path / "model.safetensors", dict(hf_tensors(target.cfg, target.params)),
+                                metadata={"format": "pt"})
 
 
 def lm_loss_fn(graphdef):
