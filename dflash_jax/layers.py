@@ -239,7 +239,7 @@ def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, *, to_hf: bool =
     logical axis ``gdn_channels`` in ``sharding.PARAMS`` (the fused q|k|v projection, MXFP4: its packed
     codes and per-row scales, and the depthwise conv weight), the one list of them. The load path applies
     it to each tensor as it is read, ``hf_tensors`` before the safetensors writers write."""
-    if sharding.param_axes(key, host.ndim)[0] != "gdn_channels":
+    if sharding.param_axes(key, host.ndim)[:1] != ("gdn_channels",):  # [:1]: a 0-d tensor has no axis 0
         return host
     order = gdn_channel_order(cfg)
     if host.shape[0] != order.size:
