@@ -29,7 +29,7 @@ class AttentionCache:
 class GDNPending:
     """Per-token inputs of the delta-rule updates of a verify, kept for the commit's replay."""
 
-    mixed: jax.Array  # [B, T, C] raw conv inputs
+    mixed: jax.Array  # [B, T, C] raw conv inputs, C head-grouped (layers.gdn_channel_order)
     k: jax.Array  # [B, T, Hk, Dk] f32, L2-normalised
     v: jax.Array  # [B, T, Hv, Dv]
     g: jax.Array  # [B, T, Hv] f32
@@ -40,7 +40,7 @@ class GDNPending:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GDNCache:
-    conv: jax.Array  # [B, K-1, C] last raw conv inputs
+    conv: jax.Array  # [B, K-1, C] last raw conv inputs, C head-grouped (layers.gdn_channel_order)
     state: jax.Array  # [B, Hv, Dk, Dv] f32
     pending: GDNPending | None = None  # set by verify, consumed by commit
 

@@ -183,12 +183,17 @@ def _read(f, entry: _Entry) -> np.ndarray:
     return buf.view(entry.dtype).reshape(entry.shape)
 
 
+def to_device(key: str, host: np.ndarray) -> jax.Array:
+    """``load_state``'s default placement: the whole tensor on the default device."""
+    return jax.device_put(host)
+
+
 def load_state(
     path,
     expected: Mapping[str, jax.ShapeDtypeStruct],
     *,
     ignore: Sequence[str] = (),
-    place: Callable[[str, np.ndarray], jax.Array] | None = None,
+    place: Callable[[str, np.ndarray], jax.Array] = to_device,
     progress: bool = True,
 ) -> dict[str, jax.Array]:
     """Loads exactly the keys of ``expected`` from the checkpoint at ``path``.
@@ -196,8 +201,8 @@ def load_state(
     File keys matching any regex in ``ignore`` (``re.match``, tried on the file key and on its
     normalised form) are skipped. Every mismatch (missing, unexpected, duplicated, mis-shaped tensor)
     is found from the headers alone and raised as one CheckpointError before any data is read.
+    ``place(canonical key, host array)`` puts each tensor on device(s) as it is read.
     """
-    place = place or (lambda key, a: jax.device_put(a))
     ignore_re = [re.compile(p) for p in ignore]
     entries = _entries(checkpoint_files(path))
 
@@ -332,11 +337,39 @@ def save_orbax(path, params) -> None:
         ckptr.wait_until_finished()
 
 
-def save_params(path, params) -> None:
+META = "dflash_jax.json"  # what a saved tree records about itself (e.g. {"gdn_channels": ...})
+
+
+def write_meta(directory: Path, meta: dict) -> None:
+    """Records ``meta`` (JSON) in ``directory``, for ``read_meta``; inside an atomic write, before its manifest."""
+    (directory / META).write_text(json.dumps(meta))
+
+
+def read_meta(directory: Path) -> dict:
+    """The record ``write_meta`` left in ``directory``; {} where none was written."""
+    try:
+        return json.loads((directory / META).read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def check_meta(path, stored: dict, needed: dict, remedy: str) -> None:
+    """Raises ``CheckpointError`` naming ``path``, the stored and the needed value, and ``remedy`` (what to
+    do) unless ``stored`` records every key of ``needed`` with its value."""
+    for key, want in needed.items():
+        if stored.get(key) != want:
+            got = f"records {key} {stored[key]!r}" if key in stored else f"records no {key}"
+            raise CheckpointError(f"{path} {got}, this dflash_jax needs {key} {want!r}; {remedy}")
+
+
+def save_params(path, params, meta: dict | None = None) -> None:
     """Saves a pytree of arrays with orbax at ``path``, replacing what is there atomically (an interrupted
-    save keeps the previous checkpoint) with a manifest that ``restore_params`` verifies."""
+    save keeps the previous checkpoint) with a manifest that ``restore_params`` verifies, and with ``meta``
+    (JSON) recorded beside the tree for ``restore_params`` to check."""
     with atomic.directory_writer(path) as tmp:
         save_orbax(tmp / "state", params)
+        if meta is not None:
+            write_meta(tmp, meta)
         atomic.write_manifest(tmp)
 
 
@@ -349,17 +382,23 @@ def verify(path, what: str, *, checksums: bool = False) -> None:
         raise CheckpointError(str(e)) from None
 
 
-def restore_params(path, abstract_params):
+def restore_params(path, abstract_params, meta: dict | None = None):
     """Restores a tree saved by ``save_params``; ``abstract_params`` gives the structure, shapes and dtypes
-    (ShapeDtypeStructs, with a sharding to place the leaves, or arrays)."""
+    (ShapeDtypeStructs, with a sharding to place the leaves, or arrays). Every key of ``meta`` must be
+    recorded with its value (``save_params(meta=...)``): a tree of the right shapes laid out otherwise (one
+    saved before the record existed) is refused, not misread."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
     if not path.is_dir():
         raise CheckpointError(f"no orbax checkpoint at {path}")
-    if (path / atomic.MANIFEST).exists():  # written by save_params; older checkpoints have the tree here
-        verify(path, "checkpoint")
-        path = path / "state"
+    root = path
+    if (root / atomic.MANIFEST).exists():  # written by save_params; older checkpoints have the tree here
+        verify(root, "checkpoint")
+        path = root / "state"
+    check_meta(root, read_meta(root), meta or {},
+               "it was saved for another layout (no record: saved before the layout was recorded) and cannot be "
+               "resumed: delete it, or the run's checkpoint directory, and train again")
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_params)
     with ocp.StandardCheckpointer() as ckptr:
         try:

@@ -13,7 +13,7 @@ graph is, and ``with_kernels`` gives a model the same weights under another mode
 from __future__ import annotations
 
 import dataclasses
-import re
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -213,11 +213,6 @@ class DepthwiseConv(nnx.Module):
         self.weight = _normal(rngs, (channels, 1, taps), dtype, std=taps**-0.5)
 
 
-# Checkpoint keys whose leading axis is the GDN channel axis C (``gdn_channel_order``): the fused q|k|v
-# projection (MXFP4: its packed codes and per-row scales) and the depthwise conv weight.
-GDN_CHANNEL_KEYS = re.compile(r"(.*\.)?linear_attn\.(in_proj_qkv\.weight(_scale)?|conv1d\.weight)")
-
-
 def gdn_channel_order(cfg: TargetConfig) -> np.ndarray:
     """The GDN channel permutation ``order`` [C] with internal = hf[order] (C = 2*Hk*Dk + Hv*Dv).
 
@@ -235,9 +230,11 @@ def gdn_channel_order(cfg: TargetConfig) -> np.ndarray:
 
 def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, *, to_hf: bool = False) -> np.ndarray:
     """A checkpoint tensor with its GDN channel rows (axis 0) put in the layer's order (HF -> internal),
-    or back with ``to_hf``; tensors of other keys (``GDN_CHANNEL_KEYS``) unchanged. The load path applies
-    it to each tensor as it is read, the safetensors writers before they write."""
-    if not GDN_CHANNEL_KEYS.fullmatch(key):
+    or back with ``to_hf``; other tensors unchanged. The GDN channel tensors are those whose axis 0 is the
+    logical axis ``gdn_channels`` in ``sharding.PARAMS`` (the fused q|k|v projection, MXFP4: its packed
+    codes and per-row scales, and the depthwise conv weight), the one list of them. The load path applies
+    it to each tensor as it is read, ``hf_tensors`` before the safetensors writers write."""
+    if sharding.param_axes(key, host.ndim)[:1] != ("gdn_channels",):  # [:1]: a 0-d tensor has no axis 0
         return host
     order = gdn_channel_order(cfg)
     if host.shape[0] != order.size:
@@ -245,6 +242,15 @@ def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, *, to_hf: bool =
                          f"(2 x {cfg.linear_num_key_heads} x {cfg.linear_key_head_dim} + "
                          f"{cfg.linear_num_value_heads} x {cfg.linear_value_head_dim})")
     return host[np.argsort(order) if to_hf else order]
+
+
+def hf_tensors(cfg: TargetConfig, params: nnx.State) -> Iterator[tuple[str, np.ndarray]]:
+    """A target's parameters as HF checkpoint tensors, one (key, host array) at a time, as stored (dtype,
+    fused experts, MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order
+    (``gdn_channels``); a consumer that converts each keeps one host copy of it, not two."""
+    for path, v in nnx.to_flat_state(params):
+        key = ".".join(map(str, path))
+        yield key, gdn_channels(cfg, key, np.asarray(v.get_value()), to_hf=True)
 
 
 class GatedDeltaNet(nnx.Module):

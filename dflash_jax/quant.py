@@ -34,7 +34,7 @@ from dflash_jax import atomic, checkpoint
 from dflash_jax.config import ConfigError, TargetConfig, read_config_json, read_generation_config
 from dflash_jax.kernels import mxfp4
 from dflash_jax.kernels.mxfp4 import BLOCK, SCALE_MODES
-from dflash_jax.layers import Experts, Linear
+from dflash_jax.layers import Experts, Linear, hf_tensors
 
 __all__ = [
     "DEFAULT_EXCLUDE", "QuantConfig", "convert", "dequantize_modules", "layout", "plan", "quantize_modules",
@@ -299,12 +299,11 @@ def convert(target, quantized: bool, qcfg: QuantConfig | None = None):
 
 
 def _tensors(target, dtype) -> dict[str, np.ndarray]:
-    """Checkpoint key -> host array (``target.hf_tensors``: HF order): fused experts split into Quark's (and
-    transformers') per-expert tensors; float tensors cast to ``dtype``, MXFP4 bytes kept."""
-    from dflash_jax.target import hf_tensors  # target.py imports this module
-
+    """Checkpoint key -> host array (``layers.hf_tensors``: HF order): fused experts split into Quark's (and
+    transformers') per-expert tensors; float tensors cast to ``dtype`` (each uncast copy dropped once cast),
+    MXFP4 bytes kept."""
     out = {}
-    for key, a in hf_tensors(target).items():
+    for key, a in hf_tensors(target.cfg, target.params):
         if a.dtype != np.uint8:
             a = a.astype(dtype)
         m = re.fullmatch(r"(?P<group>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)(?P<scale>_scale)?", key)

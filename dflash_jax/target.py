@@ -1,10 +1,12 @@
 """The Qwen3.5 target model (dense and MoE) and its speculative cache protocol: prefill, verify, commit.
 
 Sits on top of ``layers.py`` and ``cache.py`` and below the proposers and the loop. The NNX modules
-mirror the HF checkpoint tree, so a parameter's path is its checkpoint key. At jit boundaries the
-model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify`` merge them inside the
-trace. Both return the hidden states of requested layers ("taps": the output of layer i, HF's
-``hidden_states[i + 1]``), which the DFlash drafter consumes.
+mirror the HF checkpoint tree, so a parameter's path is its checkpoint key; but the Gated DeltaNet
+channel rows (``in_proj_qkv``, ``conv1d``) are head-grouped (``layers.gdn_channel_order``), not the
+checkpoint's q | k | v: ``load_target`` permutes them as it reads, ``layers.hf_tensors`` back. At
+jit boundaries the model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify``
+merge them inside the trace. Both return the hidden states of requested layers ("taps": the output
+of layer i, HF's ``hidden_states[i + 1]``), which the DFlash drafter consumes.
 
 The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below keep together:
 ``verify(tokens[B, T], cache)`` processes T tokens per row without deciding what is kept, and
@@ -22,14 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax import atomic, checkpoint, quant, sharding
@@ -306,12 +306,10 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         checkpoint.verify(path, "conversion")  # before anything in it is read
     cfg, qcfg = quant.read_target_config(path)  # qcfg None: a dense checkpoint
     if converted:
-        meta = json.loads((path / CONVERTED / "dflash_jax.json").read_text())
-        if meta.get("gdn_channels") != GDN_LAYOUT:
-            raise checkpoint.CheckpointError(
-                f"{path}: converted copy records Gated DeltaNet channel order {meta.get('gdn_channels')!r}, not "
-                f"{GDN_LAYOUT!r} (copies without one hold the checkpoint's q | k | v order); convert it again "
-                f"from the HF checkpoint")
+        meta = checkpoint.read_meta(path / CONVERTED)
+        checkpoint.check_meta(path, meta, {"gdn_channels": GDN_LAYOUT},
+                              "a converted copy without it holds the Gated DeltaNet channels in the checkpoint's "
+                              "q | k | v order: convert it again from the HF checkpoint")
         model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
         quant.restore_layout(model, meta.get("mxfp4"))
         graphdef, abstract = nnx.split(model)
@@ -332,7 +330,7 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         ignore.append(r"mtp\.")
     if cfg.tie_word_embeddings:
         ignore.append(re.escape("lm_head.weight"))
-    put = (lambda key, host: jax.device_put(host)) if mesh is None else sharding.loader(mesh, cfg)
+    put = checkpoint.to_device if mesh is None else sharding.loader(mesh, cfg)
 
     def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
         return put(key, gdn_channels(cfg, key, host))
@@ -341,16 +339,6 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
     target = Target(cfg, graphdef, params)
     return target if quantized is None else quant.convert(target, quantized)
-
-
-def hf_tensors(target: Target) -> dict[str, np.ndarray]:
-    """The target's parameters as HF checkpoint tensors: key -> host array, as stored (dtype, fused experts,
-    MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order (``gdn_channels``)."""
-    out = {}
-    for path, v in nnx.to_flat_state(target.params):
-        key = ".".join(map(str, path))
-        out[key] = gdn_channels(target.cfg, key, np.asarray(v.get_value()), to_hf=True)
-    return out
 
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
@@ -373,5 +361,5 @@ def save_converted(target: Target, source: str | Path, path: str | Path) -> None
         checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
         meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
                 "mxfp4": quant.layout(target.module()), "gdn_channels": GDN_LAYOUT}
-        (tmp / CONVERTED / "dflash_jax.json").write_text(json.dumps(meta))
+        checkpoint.write_meta(tmp / CONVERTED, meta)
         atomic.write_manifest(tmp)

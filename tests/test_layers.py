@@ -63,10 +63,12 @@ def test_gdn_channel_order_groups_whole_heads_by_key_head():
 def test_gdn_channels_round_trip_and_leave_other_tensors_alone():
     rng = np.random.default_rng(3)
     w = rng.normal(size=(GDN.conv_dim, 5)).astype(np.float32)
-    for key in (QKV, QKV + "_scale", CONV, "mtp.layers.0.linear_attn.in_proj_qkv.weight"):
-        moved = gdn_channels(GDN, key, w)
-        assert not np.array_equal(moved, w)
-        np.testing.assert_array_equal(gdn_channels(GDN, key, moved, to_hf=True), w)
+    tensors = {QKV: w, QKV + "_scale": w, CONV: w[:, None],  # conv1d [C, 1, K]
+               "model.language_model.layers.0.linear_attn.in_proj_qkv.weight": w}  # the file's own prefix
+    for key, a in tensors.items():
+        moved = gdn_channels(GDN, key, a)
+        assert not np.array_equal(moved, a)
+        np.testing.assert_array_equal(gdn_channels(GDN, key, moved, to_hf=True), a)
     other = "model.layers.0.linear_attn.in_proj_z.weight"
     assert gdn_channels(GDN, other, w) is w and gdn_channels(GDN, other, w, to_hf=True) is w
     with pytest.raises(ValueError, match="in_proj_qkv.weight: 5 rows, but the GDN channel axis of this config has 34"):

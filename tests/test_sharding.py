@@ -164,7 +164,11 @@ def gathered(hlo: str, params, state, state_sh) -> list[str]:
 def gdn_moves(hlo: str, cfg, model: int, block: int) -> list[str]:
     """All-gathers and collective-permutes in the decode steps of a Gated DeltaNet channel array: [rows, n, c]
     with n the verify block or the conv window (K-1) and c the channel axis C or its q / k / v part (Hk*Dk,
-    Hv*Dv), whole or one model shard's share: the conv inputs and outputs, their q / k / v slices, the window."""
+    Hv*Dv), whole or one model shard's share: the conv inputs and outputs, their q / k / v slices, the window.
+
+    A check by shape alone (the HLO names no array): it misses a move of those channels in another shape
+    (split into heads [rows, n, h, d], flattened, or a rank other than 3), and it would also flag an unrelated
+    array whose shape happens to match."""
     from dflash_jax import sharding_report
 
     whole = (cfg.conv_dim, cfg.linear_key_dim, cfg.linear_value_dim)
@@ -184,14 +188,15 @@ def _load(kind, mesh_shape, tmp: Path):
 
     from dflash_jax import checkpoint, sharding
     from dflash_jax.config import TargetConfig
-    from dflash_jax.target import hf_tensors, init_target, load_target
+    from dflash_jax.layers import hf_tensors
+    from dflash_jax.target import init_target, load_target
 
     path = tmp / f"{kind}_ckpt"
     path.mkdir(parents=True, exist_ok=True)
     raw = DENSE if kind == "dense" else MOE
     (path / "config.json").write_text(json.dumps(raw))
     src = init_target(TargetConfig.from_hf(raw), dtype=jnp.float32, mtp=True, seed=3)
-    checkpoint.write_safetensors(path / "model.safetensors", hf_tensors(src))
+    checkpoint.write_safetensors(path / "model.safetensors", dict(hf_tensors(src.cfg, src.params)))
     mesh = _mesh(mesh_shape)
     one = load_target(path, dtype=jnp.float32, progress=False)
     many = load_target(path, dtype=jnp.float32, progress=False, mesh=mesh)

@@ -7,6 +7,7 @@ compiles prefill/verify only a handful of times.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +15,12 @@ import numpy as np
 import pytest
 from hf_oracle import hf_hidden_states, hf_logits
 
-from dflash_jax import target as target_module
+from dflash_jax import atomic, checkpoint
 from dflash_jax.cache import AttentionCache, GDNCache
 from dflash_jax.checkpoint import CheckpointError
 from dflash_jax.config import ConfigError, TargetConfig
-from dflash_jax.target import Target, hf_tensors, load_target, save_converted
+from dflash_jax.layers import hf_tensors
+from dflash_jax.target import CONVERTED, Target, load_target, save_converted
 
 LENGTHS = (1, 17, 64, 100)  # 64 is the GDN chunk; 100 crosses it
 BUCKET, CAPACITY, TAPS = 100, 128, (2, 0)
@@ -175,7 +177,7 @@ def test_config_errors(tmp_path):
         TargetConfig.from_pretrained(tmp_path)
 
 
-def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path, monkeypatch):
+def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path):
     _, path = hf_moe
     tg = load_target(path, dtype=jnp.bfloat16, progress=False)
     save_converted(tg, path, tmp_path / "converted")
@@ -184,9 +186,14 @@ def test_converted_copy_restores_bit_exactly(hf_moe, tmp_path, monkeypatch):
     for a, b in zip(jax.tree.leaves(tg.params), jax.tree.leaves(again.params), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    # A copy whose recorded GDN channel order is not the model's (an older copy) is refused, not misread.
-    monkeypatch.setattr(target_module, "GDN_LAYOUT", "another order")
-    with pytest.raises(CheckpointError, match="convert it again"):
+    # A copy that records no GDN channel order (one converted before the channels were head-grouped, whose
+    # manifest lists its files as they are) is refused, not misread.
+    meta_file = tmp_path / "converted" / CONVERTED / checkpoint.META
+    meta = json.loads(meta_file.read_text())
+    del meta["gdn_channels"]
+    meta_file.write_text(json.dumps(meta))
+    atomic.write_manifest(tmp_path / "converted")
+    with pytest.raises(CheckpointError, match=r"records no gdn_channels, .* q \| k \| v order: convert it again"):
         load_target(tmp_path / "converted")
 
 
@@ -203,7 +210,7 @@ def test_saved_tensors_are_the_checkpoint_s(hf_dense, tmp_path):
     save_target(tmp_path / "saved", tg)
     theirs = {k: v.numpy() for k, v in hf.state_dict().items()}
     written = load_file(tmp_path / "saved" / "model.safetensors")
-    assert written.keys() == hf_tensors(tg).keys()
+    assert written.keys() == {key for key, _ in hf_tensors(tg.cfg, tg.params)}
     for key, a in written.items():
         np.testing.assert_array_equal(a, theirs[key], err_msg=key)
     qkv = "model.layers.0.linear_attn.in_proj_qkv.weight"

@@ -18,7 +18,8 @@ import optax
 
 from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
-from dflash_jax.target import Target, forward, hf_tensors, init_target
+from dflash_jax.layers import hf_tensors
+from dflash_jax.target import GDN_LAYOUT, Target, forward, init_target
 from dflash_jax.train import loop
 
 
@@ -64,7 +65,8 @@ def save_target(path: str | Path, target: Target) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(hf_config(target.cfg), indent=2))  # each file whole
-    checkpoint.write_safetensors(path / "model.safetensors", hf_tensors(target), metadata={"format": "pt"})
+    checkpoint.write_safetensors(path / "model.safetensors", dict(hf_tensors(target.cfg, target.params)),
+                                metadata={"format": "pt"})
 
 
 def lm_loss_fn(graphdef):
@@ -81,7 +83,7 @@ def train_target(cfg: TargetConfig, batches, tcfg: loop.TrainConfig, *, seed: in
     """Pretrains a fresh target (no MTP head) with next-token CE; returns it and the loop's result."""
     target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed)
     res = loop.train(lm_loss_fn(target.graphdef), target.params, None, batches, tcfg, ckpt_dir=ckpt_dir,
-                     desc="target", log_file=log_file)
+                     desc="target", log_file=log_file, meta={"gdn_channels": GDN_LAYOUT})
     return Target(cfg, target.graphdef, res.params), res
 
 

@@ -90,12 +90,15 @@ class Result:
 
 
 def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig, *,
-          ckpt_dir: str | Path | None = None, desc: str = "train", log_file: str | Path | None = None) -> Result:
+          ckpt_dir: str | Path | None = None, desc: str = "train", log_file: str | Path | None = None,
+          meta: dict | None = None) -> Result:
     """Runs ``cfg.steps`` optimizer steps, resuming from the latest checkpoint in ``ckpt_dir`` if any.
 
     ``batches`` yields numpy pytrees whose leaves have the batch on axis 0; on resume the first
     ``step`` batches are skipped, so a deterministic iterator continues exactly where it stopped.
     Each log row is also appended to ``log_file`` (JSON lines) when given: progress of a background run.
+    ``meta`` (JSON) is recorded in each checkpoint, and a checkpoint that does not record it is not resumed
+    (``checkpoint.restore_params``): the layout of parameters whose shapes do not tell it.
     """
     opt = make_optimizer(cfg)
     params = jax.tree.map(jnp.copy, params)  # the step donates its state: keep the caller's arrays alive
@@ -103,7 +106,7 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
     ckpt_dir = None if ckpt_dir is None else Path(ckpt_dir)
     done = _ckpt_steps(ckpt_dir) if ckpt_dir is not None else []
     if done:
-        state = checkpoint.restore_params(ckpt_dir / f"step_{done[-1]}", state)
+        state = checkpoint.restore_params(ckpt_dir / f"step_{done[-1]}", state, meta)
     start = int(state["step"])
     step_fn = _step_fn(loss_fn, cfg)
     for _ in range(start):
@@ -129,7 +132,7 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
                 with open(log_file, "a") as f:
                     f.write(json.dumps(row) + "\n")
         if ckpt_dir is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
-            checkpoint.save_params(ckpt_dir / f"step_{step + 1}", state)
+            checkpoint.save_params(ckpt_dir / f"step_{step + 1}", state, meta)
             for old in _ckpt_steps(ckpt_dir)[:-cfg.keep]:
                 shutil.rmtree(ckpt_dir / f"step_{old}")
     bar.close()
