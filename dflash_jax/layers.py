@@ -2,7 +2,9 @@
 
 Sits between the kernels (``dflash_jax.kernels``, which own the hot loops) and the models
 (``target.py``, ``drafter.py``). Attribute names mirror the Hugging Face checkpoint keys and weights
-keep the checkpoint's orientation (a Linear weight is [out, in]), so a parameter's path is its key.
+keep the checkpoint's orientation (a Linear weight is [out, in]), so a parameter's path is its key;
+one exception: the Gated DeltaNet channel rows are stored head-grouped (``gdn_channel_order``), not
+in the checkpoint's q | k | v order, so that tensor parallelism can shard them by key-head groups.
 Numerics follow transformers: norms and gates in f32, the gated delta rule in f32, softmax in f32.
 
 The layers that call a kernel hold its mode (``kernels``: "reference", "pallas" or "interpret") as a
