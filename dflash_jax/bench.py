@@ -14,8 +14,10 @@ whole passes, with the spread. The per-step split into draft / verify / commit t
 public phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the
 loop's own ``step`` produces. ``--simulate-acceptance`` replaces the drafts by the plain-decoding
 output with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so
-tau is fixed and only kernel and loop cost differ. Beside each speed-up, the ceiling this machine
-allows at the measured tau (``roofline.measured_ceiling``).
+tau is fixed and only kernel and loop cost differ. Beside each step time, its floor: one program running
+exactly the step's matmuls at their own shapes, each weight a distinct buffer of its real size
+(``roofline.measured_step_seconds``); beside each speed-up, the ceiling those floors allow at the
+measured tau (``roofline.measured_ceiling``).
 
 Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number), then PNG plots.
 """
@@ -405,7 +407,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
 
 
 def step_floor_ms(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
-    """The step's roofline floor on this machine in ms (``roofline.measured_step_seconds``); None for MTP."""
+    """The step's floor on this machine in ms: its matmuls timed as one program at their own shapes
+    (``roofline.measured_step_seconds``); None for MTP (its sequential head is not modelled)."""
     if method.kind == "mtp":
         return None
     return 1e3 * roofline.measured_step_seconds(target_cfg, drafter_cfg if method.kind == "dflash" else None,
@@ -534,8 +537,9 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
           "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
           "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "
-          "step as it runs); floor_ms: the step's roofline time at this machine's measured rates "
-          "(roofline.measured_step_seconds); floor_x: their ratio. tau: mean over rows of tokens committed "
+          "step as it runs); floor_ms: the median time of one program running exactly the step's matmuls at "
+          "their own shapes, each weight a distinct buffer of its real size (roofline.measured_step_seconds); "
+          "floor_x: their ratio. tau: mean over rows of tokens committed "
           "per target step.")
 
 
