@@ -90,11 +90,12 @@ class Cost:
 
 
 def matmul_program(matmuls: tuple[Matmul, ...], dtype) -> tuple:
-    """(fn, args): one program that runs exactly ``matmuls`` (rows and counts rounded up), in order.
+    """(fn, args): ``fn(n, *args)`` runs exactly ``matmuls`` (rows and counts rounded up), in order, n
+    times in one ``lax.fori_loop`` (as the decode loop runs its steps), and returns the last outputs.
 
     Every matmul has its own weight buffer ``[count, d_out, d_in]`` and input ``[count, rows, d_in]``;
     each input waits on the previous output (a zero taken from it is added), so the products run one
-    after another as a step's layers do, and every output is returned, so none is cut short.
+    after another as a step's layers do, and every output is carried, so none is cut short.
     """
     dt = jnp.dtype(dtype)
     shapes = [(math.ceil(m.count), math.ceil(m.rows), m.d_in, m.d_out) for m in matmuls]
@@ -102,29 +103,38 @@ def matmul_program(matmuls: tuple[Matmul, ...], dtype) -> tuple:
     weights = [jnp.full((c, o, i), 1.0 / i, dt) for c, _, i, o in shapes]
     inputs = [jnp.ones((c, r, i), dt) for c, r, i, _ in shapes]
 
-    def run(inputs, weights):
-        outs, zero = [], jnp.zeros((), dt)
-        for x, w in zip(inputs, weights, strict=True):
-            y = jnp.einsum("cri,coi->cro", x + zero, w)  # [count, rows, d_out]
-            zero = y[0, 0, 0] * 0  # float x * 0 is not folded (NaN semantics): a real dependency
-            outs.append(y)
-        return outs
+    def run(n, inputs, weights):
+        def step(_, carry):
+            zero, outs = carry[0], []
+            for x, w in zip(inputs, weights, strict=True):
+                y = jnp.einsum("cri,coi->cro", x + zero, w)  # [count, rows, d_out]
+                zero = y[0, 0, 0] * 0  # float x * 0 is not folded (NaN semantics): a real dependency
+                outs.append(y)
+            return zero, outs
+
+        init = (jnp.zeros((), dt), [jnp.zeros((c, r, o), dt) for c, r, _, o in shapes])
+        return jax.lax.fori_loop(0, n, step, init)[1]
 
     return run, (inputs, weights)
 
 
 @functools.lru_cache(maxsize=64)
-def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5) -> float:
-    """Median seconds of ``repeats`` warm runs of ``matmul_program`` on this process's default device,
-    each waited on (cached per arguments; the buffers are freed on return)."""
+def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5,
+                    window_s: float = 0.05) -> float:
+    """Seconds per run of ``matmul_program`` on this process's default device, timed as the bench times
+    the decode loop: runs back to back in one program (enough for ``window_s``), waited on, the median
+    per-run time of ``repeats`` such windows (cached per arguments; the buffers are freed on return)."""
     fn, args = matmul_program(matmuls, dtype)
     fn = jax.jit(fn)
-    jax.block_until_ready(fn(*args))  # compile + warm
+    jax.block_until_ready(fn(1, *args))  # compile + warm
+    start = time.perf_counter()
+    jax.block_until_ready(fn(1, *args))
+    n = max(1, math.ceil(window_s / (time.perf_counter() - start)))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        jax.block_until_ready(fn(n, *args))
+        times.append((time.perf_counter() - start) / n)
     return statistics.median(times)
 
 
