@@ -284,11 +284,21 @@ def _by_query_chunks(run, q, k, v, q_start, kv_len, size: int):
     return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
 
 
+def prefill_keys_scored(T: int, S: int) -> int:
+    """(query, key) scores a causal prefill of T queries from position 0 computes on the XLA path over a
+    cache of S rows (``_reference_chunks``): T x S in one pass up to REFERENCE_QUERIES queries, else
+    each chunk's queries times the keys up to the chunk's end."""
+    size = REFERENCE_QUERIES
+    if T <= size:
+        return T * S
+    return sum((min(lo + size, T) - lo) * min(lo + size, T, S) for lo in range(0, T, size))
+
+
 def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
     """The XLA path: ``attention_reference`` on ``REFERENCE_QUERIES``-query chunks of a long input.
 
     A causal prefill (every row's queries start at position 0, as ``target.prefill``'s do) runs its
-    chunks unrolled, chunk c [c*Q, (c+1)*Q) against keys [0, min((c+1)*Q, S)) only, the keys it can see:
+    chunks unrolled, chunk c [c*Q, (c+1)*Q) against keys [0, min((c+1)*Q, T, S)) only, the keys it can see:
     about half the quadratic FLOPs and score bytes of scoring the whole capacity. Anything else (queries
     that start later, or a non-causal block that sees every key up to kv_len) scores all S keys per
     chunk. ``lax.cond`` runs one of the two (the prefill's constant start folds it at compile time).
@@ -305,8 +315,8 @@ def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
 
     def seen_keys(q, k, v, q_start, kv_len):
         # q_start == 0: the queries of [lo, hi) see keys < hi at most (and < kv_len, masked inside)
-        outs = [ref(q[:, lo:lo + size], k[:, :min(lo + size, S)], v[:, :min(lo + size, S)], q_start + lo, kv_len)
-                for lo in range(0, T, size)]
+        ends = [(lo, min(lo + size, T)) for lo in range(0, T, size)]
+        outs = [ref(q[:, lo:hi], k[:, :min(hi, S)], v[:, :min(hi, S)], q_start + lo, kv_len) for lo, hi in ends]
         return jnp.concatenate(outs, axis=1)  # [B, T, N, H]
 
     return lax.cond(jnp.all(q_start == 0), seen_keys, every_key, q, k, v, q_start, kv_len)
