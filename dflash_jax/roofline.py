@@ -93,26 +93,28 @@ def matmul_program(matmuls: tuple[Matmul, ...], dtype) -> tuple:
     """(fn, args): ``fn(n, *args)`` runs exactly ``matmuls`` (rows and counts rounded up), in order, n
     times in one ``lax.fori_loop`` (as the decode loop runs its steps), and returns the last outputs.
 
-    Every matmul has its own weight buffer ``[count, d_out, d_in]`` and input ``[count, rows, d_in]``;
+    Every matmul has its own weight buffer ``[count, d_out, d_in]`` and input ``[count, rows, d_in]``
+    (``[d_out, d_in]`` and ``[rows, d_in]`` for count 1: the modules' own ``Linear`` einsum);
     each input waits on the previous output (a zero taken from it is added), so the products run one
     after another as a step's layers do, and every output is carried, so none is cut short.
     """
     dt = jnp.dtype(dtype)
     shapes = [(math.ceil(m.count), math.ceil(m.rows), m.d_in, m.d_out) for m in matmuls]
+    lead = lambda c: (c,) if c > 1 else ()
     # 1 / d_in keeps every output at 1: no overflow, no denormals along the chain
-    weights = [jnp.full((c, o, i), 1.0 / i, dt) for c, _, i, o in shapes]
-    inputs = [jnp.ones((c, r, i), dt) for c, r, i, _ in shapes]
+    weights = [jnp.full((*lead(c), o, i), 1.0 / i, dt) for c, _, i, o in shapes]
+    inputs = [jnp.ones((*lead(c), r, i), dt) for c, r, i, _ in shapes]
 
     def run(n, inputs, weights):
         def step(_, carry):
             zero, outs = carry[0], []
             for x, w in zip(inputs, weights, strict=True):
-                y = jnp.einsum("cri,coi->cro", x + zero, w)  # [count, rows, d_out]
-                zero = y[0, 0, 0] * 0  # float x * 0 is not folded (NaN semantics): a real dependency
+                y = jnp.einsum("...ri,...oi->...ro", x + zero, w)  # [(count,) rows, d_out]
+                zero = y.reshape(-1)[0] * 0  # float x * 0 is not folded (NaN semantics): a real dependency
                 outs.append(y)
             return zero, outs
 
-        init = (jnp.zeros((), dt), [jnp.zeros((c, r, o), dt) for c, r, _, o in shapes])
+        init = (jnp.zeros((), dt), [jnp.zeros((*lead(c), r, o), dt) for c, r, _, o in shapes])
         return jax.lax.fori_loop(0, n, step, init)[1]
 
     return run, (inputs, weights)
