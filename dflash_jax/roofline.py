@@ -10,8 +10,9 @@ bytes / BW)``: F the matmul rate, BW the memory bandwidth (``Machine``, ``ceilin
 in ``perf_model``). On this process's own device the floor is measured (``measured_step_seconds``):
 one jitted program runs exactly the step's matmuls (``Cost.matmuls``, at their own row counts, each
 weight a distinct buffer of its real size, so weights stream from memory as the step's do), and its
-median warm time is the floor the bench divides the loop's step time by. ``step_cost`` counts, per
-step of ``batch`` rows:
+median warm time is the floor the bench divides the loop's step time by; ``measured_ceiling`` times
+the plain and the DFlash step's programs in adjacent pairs. ``step_cost`` counts, per step of
+``batch`` rows:
 
 * FLOPs: 2 x rows x the linear weights each token meets (every matmul: projections, MLP or the k routed
   + shared experts, LM head), plus attention's QK and PV over the context. Norms, activations, RoPE
@@ -120,24 +121,48 @@ def matmul_program(matmuls: tuple[Matmul, ...], dtype) -> tuple:
     return run, (inputs, weights)
 
 
-@functools.lru_cache(maxsize=64)
-def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5,
-                    window_s: float = 0.05) -> float:
-    """Seconds per run of ``matmul_program`` on this process's default device, timed as the bench times
-    the decode loop: runs back to back in one program (enough for ``window_s``), waited on, the median
-    per-run time of ``repeats`` such windows (cached per arguments; the buffers are freed on return)."""
+def _timer(matmuls: tuple[Matmul, ...], dtype: str, window_s: float):
+    """A function timing one window of ``matmul_program`` (compiled and warmed here): runs back to back in
+    one program, enough for ``window_s``, waited on; it returns seconds per run."""
     fn, args = matmul_program(matmuls, dtype)
     fn = jax.jit(fn)
     jax.block_until_ready(fn(1, *args))  # compile + warm
     start = time.perf_counter()
     jax.block_until_ready(fn(1, *args))
     n = max(1, math.ceil(window_s / (time.perf_counter() - start)))
-    times = []
-    for _ in range(repeats):
+
+    def window() -> float:
         start = time.perf_counter()
         jax.block_until_ready(fn(n, *args))
-        times.append((time.perf_counter() - start) / n)
-    return statistics.median(times)
+        return (time.perf_counter() - start) / n
+
+    return window
+
+
+@functools.lru_cache(maxsize=64)
+def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5,
+                    window_s: float = 0.05) -> float:
+    """Seconds per run of ``matmul_program`` on this process's default device, timed as the bench times
+    the decode loop (runs back to back in one program): the median of ``repeats`` windows (cached per
+    arguments; the buffers are freed on return)."""
+    window = _timer(matmuls, dtype, window_s)
+    return statistics.median(window() for _ in range(repeats))
+
+
+@functools.lru_cache(maxsize=64)
+def program_ratio(slow: tuple[Matmul, ...], fast: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 7,
+                  window_s: float = 0.05) -> float:
+    """time(``slow``'s program) / time(``fast``'s): the median of ``repeats`` ratios of adjacent windows,
+    the two alternating order (A B | B A ...), so a busy machine's slow spells hit both alike."""
+    a, b = _timer(slow, dtype, window_s), _timer(fast, dtype, window_s)
+    ratios = []
+    for r in range(repeats):
+        if r % 2:
+            tb, ta = b(), a()
+        else:
+            ta, tb = a(), b()
+        ratios.append(ta / tb)
+    return statistics.median(ratios)
 
 
 def _linear(rows: float, d_in: int, d_out: int, itemsize: int) -> Cost:
@@ -267,13 +292,14 @@ def tokens_per_second(machine: Machine, target: TargetConfig, drafter: DrafterCo
 
 def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, tau: float,
                      batch: int = 1, context: int = 0, dtype=jnp.float32) -> float:
-    """``tau x floor(plain step) / floor(step at block)`` with both floors measured on this process's
-    device (``measured_step_seconds``): what the CLI and the bench print beside a speed-up."""
-    plain = measured_step_seconds(target, None, block=1, batch=batch, context=context, dtype=dtype)
-    spec = measured_step_seconds(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
+    """``tau x floor(plain step) / floor(step at block)`` on this process's device: the floors' programs
+    (``measured_step_seconds``) timed in adjacent pairs (``program_ratio``); what the CLI and the bench
+    print beside a speed-up."""
+    plain = step_cost(target, None, block=1, batch=batch, context=context, dtype=dtype)
+    spec = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
     # A step over a block runs every matmul of a one-token step with more rows: never cheaper, whatever
     # two timings on a busy machine say.
-    return tau * plain / max(spec, plain)
+    return tau / max(program_ratio(spec.matmuls, plain.matmuls, jnp.dtype(dtype).name), 1.0)
 
 
 def measured_step_seconds(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,

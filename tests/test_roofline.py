@@ -157,10 +157,26 @@ def test_step_matmuls_are_the_modules_shapes():
     assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).matmuls == tuple(target + drafter)
 
 
-def test_measured_ceiling_on_hand_counted_flops(monkeypatch):
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """``install(seconds)``: every program's window takes ``seconds(matmuls)``; the floors' caches are
+    emptied on install and afterwards, so no fake figure outlives the test."""
+    def clear():
+        roofline.program_seconds.cache_clear()
+        roofline.program_ratio.cache_clear()
+
+    def install(seconds):
+        monkeypatch.setattr(roofline, "_timer", lambda matmuls, dtype, window_s: lambda: seconds(matmuls))
+        clear()
+
+    yield install
+    clear()
+
+
+def test_measured_ceiling_on_hand_counted_flops(fake_timer):
     """What the CLI prints: tau x plain step floor / DFlash step floor. With a program timer that
     charges 1 ns per FLOP, that is tau x a ratio of hand-counted FLOPs."""
-    monkeypatch.setattr(roofline, "program_seconds", lambda matmuls, dtype: sum(m.flops for m in matmuls) * 1e-9)
+    fake_timer(lambda matmuls: sum(m.flops for m in matmuls) * 1e-9)
     plain = 2 * (2 * 40960 + 64 * 256) + 2 * 2 * 2 * (2 * 32 * 11)  # test_hand_counted_decode_step at context 10
     # verify of 4 tokens: 2 layers' weights + attention over 14 keys + tied head on 4 rows
     verify = 2 * 4 * 2 * 40960 + 2 * 2 * 2 * (4 * 2 * 32 * 14) + 2 * 4 * 64 * 256
@@ -172,5 +188,5 @@ def test_measured_ceiling_on_hand_counted_flops(monkeypatch):
     got = roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10)
     assert got == pytest.approx(3.0 * plain / (verify + draft))  # 0.63x: the block costs 4.7 plain steps
     # a timing of the block's program below the one-token program's (a busy machine) cannot make a block cheaper
-    monkeypatch.setattr(roofline, "program_seconds", lambda matmuls, dtype: 1.0 / len(matmuls))
+    fake_timer(lambda matmuls: 1.0 / len(matmuls))
     assert roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10) == pytest.approx(3.0)
