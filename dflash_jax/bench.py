@@ -12,10 +12,13 @@ clock starts only after the previous work is waited on; methods alternate order 
 and repeat to repeat, so machine drift hits all alike; each figure is the median over ``--repeats``
 whole passes, with the spread. The per-step split into draft / verify / commit times the loop's
 public phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the
-loop's own ``step`` produces. ``--simulate-acceptance`` replaces the drafts by the plain-decoding
+loop's own ``step`` produces, each phase updating its state in place as the fused step does.
+``--simulate-acceptance`` replaces the drafts by the plain-decoding
 output with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so
-tau is fixed and only kernel and loop cost differ. Beside each speed-up, the ceiling this machine
-allows at the measured tau (``roofline.measured_ceiling``).
+tau is fixed and only kernel and loop cost differ. Beside each step time, its floor: one program running
+exactly the step's matmuls at their own shapes, each weight a distinct buffer of its real size
+(``roofline.measured_step_seconds``); beside each speed-up, the ceiling those floors allow at the
+measured tau (``roofline.measured_ceiling``).
 
 Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number), then PNG plots.
 """
@@ -32,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -92,6 +96,23 @@ class SimulatedProposer:
         kw = dict(view=view, verified=verified, n=n)
         return (self.inner.commit(params=params[0], state=state[0], **kw),
                 self.oracle.commit(params=params[1], state=state[1], **kw))
+
+
+def method_loop(target, proposer, pparams, spec: SpecConfig, mesh=None, *, simulate: bool = False):
+    """(loop, params) of one method as every timed run builds it (bench, generate's comparison, the
+    regime and the MXFP4 report): params placed on ``mesh`` for the real proposer (``shard_params``),
+    the loop of ``spec`` on the same mesh. ``simulate``: the proposer runs inside ``SimulatedProposer``,
+    whose params ``with_oracle`` completes."""
+    params = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
+    if simulate:
+        proposer = SimulatedProposer(proposer, OracleProposer(target.cfg.vocab_size))
+    return SpeculativeLoop.of(target, proposer, spec, mesh), params
+
+
+def with_oracle(params, ar_tokens, block: int, accepted: tuple[int, ...]):
+    """A simulated method's params: its own (placed) target and proposer params, and the oracle that
+    replays ar's tokens [B, max_new] with ``accepted`` drafts accepted per step, cycled (``_oracle``)."""
+    return params[0], (params[1], _oracle(ar_tokens, block, accepted))
 
 
 def timed_run(loop, params, tokens, lengths, rng, clock=time.perf_counter):
@@ -225,8 +246,7 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
     loops, params = {}, {}
     for m, prop, pp in ((method, proposer, pparams), (runtime.AR, *runtime.proposer_for(runtime.AR, target, None))):
         spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
-        loops[m.name] = SpeculativeLoop.of(target, prop, spec, mesh)
-        params[m.name] = sharding.shard_params((target.params, pp), mesh, target.cfg, prop)
+        loops[m.name], params[m.name] = method_loop(target, prop, pp, spec, mesh)
     names = list(dict.fromkeys([method.name, "ar"]))  # --block-size 1: ar against itself, two timed runs
     runs = {f"{n}#{i}": functools.partial(_run_one, loops[n], params[n], [(tokens, lengths)], seed)
             for i, n in enumerate(names if len(names) == 2 else names * 2)}
@@ -277,25 +297,54 @@ def format_comparison(c: dict) -> str:
     return "\n".join(lines) + "]"
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _draft(loop, params, proposer_state, rest):
+    """``loop.draft`` with the proposer state donated (``rest``: the state without it and the cache)."""
+    return loop.draft(params, dataclasses.replace(rest, proposer=proposer_state))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _check(loop, params, cache, rest, draft):
+    """``loop.check`` with the target cache donated: verify writes its K/V rows in place."""
+    return loop.check(params, dataclasses.replace(rest, cache=cache), draft)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
+def _settle(loop, params, rest, draft, verified):
+    """``loop.settle`` (it reads neither the old cache nor the old proposer state) with its inputs donated."""
+    return loop.settle(params, rest, draft, verified)
+
+
+def timed_phases(loop: SpeculativeLoop, params, state, clock=time.perf_counter) -> np.ndarray:
+    """Seconds of [draft, verify, commit] of one step from ``state``, each phase its own program, waited on.
+
+    As in the fused step, each phase updates the state parts it replaces in place (donated), so no phase
+    pays for copying a cache; they consume a copy of ``state`` (made untimed), which stays usable.
+    """
+    s = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+    rest = dataclasses.replace(s, cache=None, proposer=None)
+    t0 = clock()
+    d = jax.block_until_ready(_draft(loop, params, s.proposer, rest))
+    t1 = clock()
+    verified = jax.block_until_ready(_check(loop, params, s.cache, rest, d))
+    t2 = clock()
+    jax.block_until_ready(_settle(loop, params, rest, d, verified))
+    return np.asarray([t1 - t0, t2 - t1, clock() - t2])
+
+
 def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf_counter) -> tuple[np.ndarray, int]:
-    """Seconds in [draft, verify, commit] over the loop's steps (public phases, each waited on), and steps.
+    """Seconds in [draft, verify, commit] over the loop's steps (``timed_phases``), and steps.
 
     The state advances through the loop's own ``step`` (untimed), so the phases see exactly the
-    states the on-device loop sees; each phase runs once untimed first (its compilation).
+    states the on-device loop sees; the phases run once untimed first (their compilation).
     """
     s = jax.block_until_ready(loop.init(params, tokens, lengths, rng))
-    d = loop.draft(params, s)  # untimed: each phase is its own program, compiled on its first call
-    jax.block_until_ready(loop.settle(params, s, d, loop.check(params, s, d)))
+    with warnings.catch_warnings():  # settle's donated logits and GDN inputs have no output to reuse: freed
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        timed_phases(loop, params, s, clock)  # untimed: each phase is its own program, compiled on its first call
     total, steps = np.zeros(3), 0
     while (np.asarray(s.finish) == FinishReason.RUNNING).any():
-        t0 = clock()
-        d = jax.block_until_ready(loop.draft(params, s))
-        t1 = clock()
-        verified = jax.block_until_ready(loop.check(params, s, d))
-        t2 = clock()
-        jax.block_until_ready(loop.settle(params, s, d, verified))
-        t3 = clock()
-        total += (t1 - t0, t2 - t1, t3 - t2)
+        total += timed_phases(loop, params, s, clock)
         steps += 1
         s = loop.step(params, s)
     return total, steps
@@ -334,18 +383,14 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                   for rows in batches]
         loops, params = {}, {}
         for m in methods:
-            proposer, pparams = runtime.proposer_for(m, target, drafter)
-            if simulate and m.kind != "ar":
-                proposer = SimulatedProposer(proposer, OracleProposer(target.cfg.vocab_size))
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids)
-            loops[m] = SpeculativeLoop.of(target, proposer, spec, mesh)
-            params[m] = sharding.shard_params((target.params, pparams), mesh, target.cfg, proposer)
+            loops[m], params[m] = method_loop(target, *runtime.proposer_for(m, target, drafter), spec, mesh,
+                                              simulate=simulate is not None and m.kind != "ar")
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
             ar_tokens = [loops[runtime.AR].run(params[runtime.AR], t, n, args.seed).tokens for t, n in padded]
             for m in methods[1:]:
-                params[m] = [(target.params, (params[m][1], _oracle(ar_tokens[b], m.block, simulate)))
-                             for b in range(len(padded))]
+                params[m] = [with_oracle(params[m], ar_tokens[b], m.block, simulate) for b in range(len(padded))]
 
         def show(m, r, b, conc=conc):
             progress.set_postfix_str(f"{workload} c={conc} repeat {r + 1} batch {b + 1} {m.name}")
@@ -405,7 +450,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
 
 
 def step_floor_ms(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
-    """The step's roofline floor on this machine in ms (``roofline.measured_step_seconds``); None for MTP."""
+    """The step's floor on this machine in ms: its matmuls timed as one program at their own shapes
+    (``roofline.measured_step_seconds``); None for MTP (its sequential head is not modelled)."""
     if method.kind == "mtp":
         return None
     return 1e3 * roofline.measured_step_seconds(target_cfg, drafter_cfg if method.kind == "dflash" else None,
@@ -534,8 +580,9 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
           "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
           "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "
-          "step as it runs); floor_ms: the step's roofline time at this machine's measured rates "
-          "(roofline.measured_step_seconds); floor_x: their ratio. tau: mean over rows of tokens committed "
+          "step as it runs); floor_ms: the median time of one program running exactly the step's matmuls at "
+          "their own shapes, each weight a distinct buffer of its real size (roofline.measured_step_seconds); "
+          "floor_x: their ratio. tau: mean over rows of tokens committed "
           "per target step.")
 
 

@@ -27,7 +27,7 @@ from flax import nnx
 
 from dflash_jax import bench, quant, runtime
 from dflash_jax.drafter import load_drafter
-from dflash_jax.speculative import SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
+from dflash_jax.speculative import SpecConfig, bucket_for, pad_prompts
 from dflash_jax.target import forward, load_target
 from dflash_jax.train import tokenizer as tk
 from dflash_jax.train.evaluate import eval_prompts
@@ -68,11 +68,9 @@ def speed(targets: dict, drafter, prompts, *, block: int, max_new_tokens: int, r
     runs = {}
     for name, target in targets.items():
         for method in (runtime.AR, runtime.Method("dflash", block)):
-            proposer, pparams = runtime.proposer_for(method, target, drafter)
             spec = SpecConfig(block_size=method.block, max_new_tokens=max_new_tokens, stop_ids=())
-            loop = SpeculativeLoop.of(target, proposer, spec)
-            runs[f"{name} {method.name}"] = functools.partial(bench._run_one, loop, (target.params, pparams),
-                                                              [(tokens, lengths)], 0)
+            loop, params = bench.method_loop(target, *runtime.proposer_for(method, target, drafter), spec)
+            runs[f"{name} {method.name}"] = functools.partial(bench._run_one, loop, params, [(tokens, lengths)], 0)
     timing = bench.measure(runs, 1, repeats)
     out = {}
     for key, t in timing.items():

@@ -15,6 +15,7 @@ uses it at 27B shapes.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -56,26 +57,22 @@ def fixed_tau(target, drafter, *, blocks=(4, 8, 16), tau: int = 10, prompt_len: 
     Returns {"ar_decode_tok_s", "blocks": [{block, tau, decode_tok_s, speedup {median,min,max},
     ceiling (roofline.measured_ceiling), compile_s, same_tokens}]}.
     """
-    from dflash_jax import bench
-    from dflash_jax.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
-    from dflash_jax.speculative import SpecConfig, SpeculativeLoop
+    from dflash_jax import bench, runtime
+    from dflash_jax.speculative import SpecConfig
 
     rng = np.random.default_rng(seed)
     tokens = jnp.asarray(rng.integers(2, target.cfg.vocab_size, (1, prompt_len)), jnp.int32)
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     spec = lambda block: SpecConfig(block_size=block, max_new_tokens=max_new, stop_ids=())
-    ar = SpeculativeLoop.of(target, NoProposer(), spec(1))
-    ar_out = ar.run((target.params, ()), tokens, lengths, 0)
-    continuation = jnp.pad(jnp.maximum(ar_out.tokens, 0), ((0, 0), (0, max(blocks))))
-    proposer = bench.SimulatedProposer(DFlashProposer(drafter.cfg, drafter.graphdef),
-                                       OracleProposer(target.cfg.vocab_size))
-    runs = {"ar": lambda b, clock: bench.timed_run(ar, (target.params, ()), tokens, lengths, 0, clock)}
+    ar, ar_params = bench.method_loop(target, *runtime.proposer_for(runtime.AR, target, None), spec(1))
+    ar_tokens = ar.run(ar_params, tokens, lengths, 0).tokens
+    runs = {"ar": functools.partial(bench._run_one, ar, ar_params, [(tokens, lengths)], 0)}
     for block in blocks:
-        oracle = OracleParams(continuation=continuation, errors=jnp.asarray([min(tau, block) - 1], jnp.int32))
-        loop = SpeculativeLoop.of(target, proposer, spec(block))
-        params = (target.params, (drafter.params, oracle))
-        runs[block] = lambda b, clock, loop=loop, params=params: bench.timed_run(loop, params, tokens, lengths, 0,
-                                                                                  clock)
+        method = runtime.Method("dflash", block)
+        loop, params = bench.method_loop(target, *runtime.proposer_for(method, target, drafter), spec(block),
+                                         simulate=True)
+        params = bench.with_oracle(params, ar_tokens, block, (tau - 1,))  # min(tau, block) - 1 accepted
+        runs[block] = functools.partial(bench._run_one, loop, params, [(tokens, lengths)], 0)
     timing = bench.measure(runs, 1, repeats)
     per_s = lambda t: [(max_new - 1) / d for d in t.decode_s]
     ar_t = timing.pop("ar")

@@ -5,12 +5,20 @@ measured speed-up, the ceiling this machine allows at the measured acceptance le
 performance model (``perf_model.py``) as the analytic side of its HLO byte counts. It depends only on
 the configs, never on parameters or caches, so it works at any shape (a 27B config on a laptop).
 
-The model. A step's time is bounded below by ``max(flops / F, bytes / BW)``: F the matmul rate, BW
-the memory bandwidth (``Machine``). ``step_cost`` counts, per step of ``batch`` rows:
+Two floors. At a device's published peaks a step's time is bounded below by ``max(flops / F,
+bytes / BW)``: F the matmul rate, BW the memory bandwidth (``Machine``, ``ceiling``; the projections
+in ``perf_model``). On this process's own device the floor is measured (``measured_step_seconds``):
+one jitted program runs exactly the step's matmuls (``Cost.matmuls``, at their own row counts, each
+weight a distinct buffer of its real size, so weights stream from memory as the step's do), and its
+median warm time is the floor the bench divides the loop's step time by; ``measured_ceiling`` times
+the plain and the DFlash step's programs in adjacent pairs. ``step_cost`` counts, per step of
+``batch`` rows:
 
 * FLOPs: 2 x rows x the linear weights each token meets (every matmul: projections, MLP or the k routed
   + shared experts, LM head), plus attention's QK and PV over the context. Norms, activations, RoPE
   and the Gated DeltaNet recurrence are left out (a few percent at the shipped sizes, < 1% at 27B).
+  Every FLOP counted is one of ``matmuls``: each module's own linears (q, k, v, o; gate, up, down; the
+  GDN's four input projections and its output) and attention's QK and PV per (row, KV head).
 * Bytes: every weight matrix the step touches, read once (routed experts: the expected number of
   distinct experts the step's tokens pick), the K/V cache read over the context and the new K/V rows
   written, the GDN state read in verify and read + written in commit, and the logits written.
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import statistics
 import time
 
@@ -37,7 +46,7 @@ from dflash_jax.drafter import DrafterConfig
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
-    """A device's sustained rates: matmul FLOP/s (at the step's row count) and memory bytes/s."""
+    """A device's rates: matmul FLOP/s and memory bytes/s (published peaks, for projections)."""
 
     matmul_flops_per_s: float
     bytes_per_s: float
@@ -50,64 +59,119 @@ MI355X = Machine(2.5e15, 8e12, "MI355X (peak)")
 
 
 @dataclasses.dataclass(frozen=True)
+class Matmul:
+    """``count`` products ``[rows, d_in] @ W^T``, each with its own weight W ``[d_out, d_in]`` (the
+    modules' layout). Attention's QK and PV are ``count = batch x KV heads`` such products with the
+    cached K or V as W. ``rows`` and ``count`` may be fractional (routed experts: expected values)."""
+
+    rows: float
+    d_in: int
+    d_out: int
+    count: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.count * self.rows * self.d_in * self.d_out
+
+
+@dataclasses.dataclass(frozen=True)
 class Cost:
-    """FLOPs and bytes of a piece of work; ``+`` adds, ``seconds`` is its roofline time on a machine."""
+    """FLOPs and bytes of a piece of work and the matmuls that make its FLOPs; ``+`` adds, ``seconds``
+    is its roofline time on a machine."""
 
     flops: float = 0.0
     bytes: float = 0.0
+    matmuls: tuple[Matmul, ...] = ()
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes)
+        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.matmuls + other.matmuls)
 
     def seconds(self, machine: Machine) -> float:
         return max(self.flops / machine.matmul_flops_per_s, self.bytes / machine.bytes_per_s)
 
 
-def _median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def matmul_program(matmuls: tuple[Matmul, ...], dtype) -> tuple:
+    """(fn, args): ``fn(n, *args)`` runs exactly ``matmuls`` (rows and counts rounded up), in order, n
+    times in one ``lax.fori_loop`` (as the decode loop runs its steps), and returns the last outputs.
 
-
-@functools.lru_cache(maxsize=16)
-def measure_machine(dtype: str = "float32", rows: int = 16, working_set_bytes: int = 256 * 2**20,
-                    repeats: int = 7) -> Machine:
-    """Measures this process's default device (cached per arguments; about a second on a CPU).
-
-    Args:
-      dtype: the matmul's dtype (the weights').
-      rows: the matmul's row count (tokens per step: batch x block), sized ``[rows, K] @ [K, N]``
-        with a weight that stays in cache on a CPU (K = N = 1024; 8192 on an accelerator).
-      working_set_bytes: the buffer summed to measure bandwidth (clamped to 1 MiB .. 1 GiB). A step
-        whose weights fit the CPU's caches streams them at cache speed, so pass the step's bytes.
-    Returns:
-      Medians of ``repeats`` warm runs.
+    Every matmul has its own weight buffer ``[count, d_out, d_in]`` and input ``[count, rows, d_in]``
+    (``[d_out, d_in]`` and ``[rows, d_in]`` for count 1: the modules' own ``Linear`` einsum);
+    each input waits on the previous output (a zero taken from it is added), so the products run one
+    after another as a step's layers do, and every output is carried, so none is cut short.
     """
-    on_cpu = jax.default_backend() == "cpu"
     dt = jnp.dtype(dtype)
-    k = n = 1024 if on_cpu else 8192
-    a = jnp.ones((rows, k), dt)
-    w = jnp.ones((k, n), dt)
-    matmul = jax.jit(lambda a, w: a @ w)
-    flops = 2 * rows * k * n / _median_seconds(matmul, a, w, repeats=repeats)
-    nbytes = min(max(int(working_set_bytes), 2**20), 2**30) // 4 * 4
-    buf = jnp.ones((nbytes // 4,), jnp.float32)
-    bandwidth = nbytes / _median_seconds(jax.jit(jnp.sum), buf, repeats=repeats)
-    return Machine(flops, bandwidth, f"{jax.devices()[0].device_kind} (measured: {dt.name}, {rows} rows, "
-                                     f"{nbytes / 2**20:.0f} MiB)")
+    shapes = [(math.ceil(m.count), math.ceil(m.rows), m.d_in, m.d_out) for m in matmuls]
+    lead = lambda c: (c,) if c > 1 else ()
+    # 1 / d_in keeps every output at 1: no overflow, no denormals along the chain
+    weights = [jnp.full((*lead(c), o, i), 1.0 / i, dt) for c, _, i, o in shapes]
+    inputs = [jnp.ones((*lead(c), r, i), dt) for c, r, i, _ in shapes]
+
+    def run(n, inputs, weights):
+        def step(_, carry):
+            zero, outs = carry[0], []
+            for x, w in zip(inputs, weights, strict=True):
+                y = jnp.einsum("...ri,...oi->...ro", x + zero, w)  # [(count,) rows, d_out]
+                zero = y.reshape(-1)[0] * 0  # float x * 0 is not folded (NaN semantics): a real dependency
+                outs.append(y)
+            return zero, outs
+
+        init = (jnp.zeros((), dt), [jnp.zeros((*lead(c), r, o), dt) for c, r, _, o in shapes])
+        return jax.lax.fori_loop(0, n, step, init)[1]
+
+    return run, (inputs, weights)
+
+
+def _timer(matmuls: tuple[Matmul, ...], dtype: str, window_s: float):
+    """A function timing one window of ``matmul_program`` (compiled and warmed here): runs back to back in
+    one program, enough for ``window_s``, waited on; it returns seconds per run."""
+    fn, args = matmul_program(matmuls, dtype)
+    fn = jax.jit(fn)
+    jax.block_until_ready(fn(1, *args))  # compile + warm
+    start = time.perf_counter()
+    jax.block_until_ready(fn(1, *args))
+    n = max(1, math.ceil(window_s / (time.perf_counter() - start)))
+
+    def window() -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(fn(n, *args))
+        return (time.perf_counter() - start) / n
+
+    return window
+
+
+@functools.lru_cache(maxsize=64)
+def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5,
+                    window_s: float = 0.05) -> float:
+    """Seconds per run of ``matmul_program`` on this process's default device, timed as the bench times
+    the decode loop (runs back to back in one program): the median of ``repeats`` windows (cached per
+    arguments; the buffers are freed on return)."""
+    window = _timer(matmuls, dtype, window_s)
+    return statistics.median(window() for _ in range(repeats))
+
+
+@functools.lru_cache(maxsize=64)
+def program_ratio(slow: tuple[Matmul, ...], fast: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 7,
+                  window_s: float = 0.05) -> float:
+    """time(``slow``'s program) / time(``fast``'s): the median of ``repeats`` ratios of adjacent windows,
+    the two alternating order (A B | B A ...), so a busy machine's slow spells hit both alike."""
+    a, b = _timer(slow, dtype, window_s), _timer(fast, dtype, window_s)
+    ratios = []
+    for r in range(repeats):
+        if r % 2:
+            tb, ta = b(), a()
+        else:
+            ta, tb = a(), b()
+        ratios.append(ta / tb)
+    return statistics.median(ratios)
 
 
 def _linear(rows: float, d_in: int, d_out: int, itemsize: int) -> Cost:
     """A [rows, d_in] @ [d_in, d_out] matmul: its FLOPs and its weight read."""
-    return Cost(2.0 * rows * d_in * d_out, float(d_in * d_out * itemsize))
+    return Cost(2.0 * rows * d_in * d_out, float(d_in * d_out * itemsize), (Matmul(rows, d_in, d_out),))
 
 
 def _mlp(rows: float, d: int, f: int, itemsize: int) -> Cost:
-    return _linear(rows, d, 3 * f, itemsize)  # gate, up, down
+    return _linear(rows, d, f, itemsize) + _linear(rows, d, f, itemsize) + _linear(rows, f, d, itemsize)
 
 
 def _distinct_experts(tokens: float, experts: int, k: int) -> float:
@@ -118,9 +182,12 @@ def _distinct_experts(tokens: float, experts: int, k: int) -> float:
 def _attention_core(batch: int, t: int, context: int, heads: int, kv_heads: int, head_dim: int,
                     itemsize: int) -> Cost:
     """Scores and weighted values of t queries over context + t keys; K/V read, new rows written."""
-    keys = context + t
+    keys, group = context + t, heads // kv_heads
     flops = 2.0 * 2 * batch * t * heads * head_dim * keys
-    return Cost(flops, float(2 * batch * (keys + t) * kv_heads * head_dim * itemsize))
+    # per (row, KV head): the group's t x group queries against K [keys, head_dim], then against V
+    rows = batch * kv_heads
+    matmuls = (Matmul(t * group, head_dim, keys, rows), Matmul(t * group, keys, head_dim, rows))
+    return Cost(flops, float(2 * batch * (keys + t) * kv_heads * head_dim * itemsize), matmuls)
 
 
 def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int = 0, dtype=jnp.bfloat16,
@@ -138,18 +205,23 @@ def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int 
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for kind in cfg.layer_types:
         if kind == "full_attention":
-            cost += _linear(m, D, 2 * N * H + 2 * K * H, size) + _linear(m, N * H, D, size)
-            cost += _attention_core(batch, tokens, context, N, K, H, size)
+            # q (with its gate), k, v; o
+            cost += _linear(m, D, 2 * N * H, size) + _linear(m, D, K * H, size) + _linear(m, D, K * H, size)
+            cost += _attention_core(batch, tokens, context, N, K, H, size) + _linear(m, N * H, D, size)
         else:
-            cost += _linear(m, D, cfg.conv_dim + cfg.linear_value_dim + 2 * Hv, size)
-            cost += _linear(m, cfg.linear_value_dim, D, size)
+            # in_proj_qkv, z, b, a; out_proj
+            cost += _linear(m, D, cfg.conv_dim, size) + _linear(m, D, cfg.linear_value_dim, size)
+            cost += _linear(m, D, Hv, size) + _linear(m, D, Hv, size) + _linear(m, cfg.linear_value_dim, D, size)
             # f32 state: read by verify, read + written by commit
             cost += Cost(0.0, 3.0 * batch * Hv * Dk * Dv * 4)
         if cfg.is_moe:
             E, k, Fe = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             cost += _linear(m, D, E, size)  # router
             touched = _distinct_experts(m, E, k)
-            cost += Cost(2.0 * m * k * 3 * D * Fe, touched * 3 * D * Fe * size)
+            # the m x k (token, expert) rows spread over the experts they touch: gate_up, then down
+            per = m * k / touched
+            cost += Cost(2.0 * m * k * 3 * D * Fe, touched * 3 * D * Fe * size,
+                         (Matmul(per, D, 2 * Fe, touched), Matmul(per, Fe, D, touched)))
             if cfg.shared_expert_intermediate_size:
                 cost += _mlp(m, D, cfg.shared_expert_intermediate_size, size) + _linear(m, D, 1, size)
         else:
@@ -172,9 +244,10 @@ def drafter_cost(cfg: DrafterConfig, target: TargetConfig, *, block: int, batch:
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cost = _linear(m, len(cfg.target_layer_ids) * cfg.target_hidden_size, D, size)  # fc over the taps
     for _ in range(cfg.num_hidden_layers):
-        cost += _linear(m, D, 2 * K * H, size)  # context K/V (weights re-read by the block pass below)
-        cost += _linear(m, D, N * H + 2 * K * H, size) + _linear(m, N * H, D, size)
-        cost += _attention_core(batch, block, context, N, K, H, size)
+        # context K/V of the verified tokens (weights re-read by the block pass below)
+        cost += _linear(m, D, K * H, size) + _linear(m, D, K * H, size)
+        cost += _linear(m, D, N * H, size) + _linear(m, D, K * H, size) + _linear(m, D, K * H, size)  # q, k, v
+        cost += _attention_core(batch, block, context, N, K, H, size) + _linear(m, N * H, D, size)
         cost += _mlp(m, D, cfg.intermediate_size, size)
     return cost + _lm_head(target, batch * (block - 1), size)
 
@@ -219,22 +292,23 @@ def tokens_per_second(machine: Machine, target: TargetConfig, drafter: DrafterCo
 
 def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, tau: float,
                      batch: int = 1, context: int = 0, dtype=jnp.float32) -> float:
-    """``ceiling`` on this process's device, each step timed at its own shape (what the CLI prints).
-
-    The plain step's rates are measured at ``batch`` rows and its own bytes as the working set, the
-    DFlash step's at ``batch * block`` rows and its bytes (``measure_machine`` caches both).
-    """
-    plain = measured_step_seconds(target, None, block=1, batch=batch, context=context, dtype=dtype)
-    spec = measured_step_seconds(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
-    # A step over a block reads every byte and does every FLOP of a one-token step: never cheaper,
-    # whatever the rates measured at the two shapes (a busy machine can skew them) would say.
-    return tau * plain / max(spec, plain)
+    """``tau x floor(plain step) / floor(step at block)`` on this process's device: the floors' programs
+    (``measured_step_seconds``) timed in adjacent pairs (``program_ratio``); what the CLI and the bench
+    print beside a speed-up."""
+    plain = step_cost(target, None, block=1, batch=batch, context=context, dtype=dtype)
+    spec = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
+    # A step over a block runs every matmul of a one-token step with more rows: never cheaper, whatever
+    # two timings on a busy machine say.
+    return tau / max(program_ratio(spec.matmuls, plain.matmuls, jnp.dtype(dtype).name), 1.0)
 
 
 def measured_step_seconds(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,
                           context: int = 0, dtype=jnp.float32) -> float:
-    """A step's floor on this process's device: its roofline time at the rates measured for its own shape
-    (``batch * block`` matmul rows, its bytes as the working set); the bench prints step time over it."""
+    """A step's floor on this process's device: the median time of one program running exactly the
+    step's matmuls (``step_cost(...).matmuls``, ``program_seconds``); the bench prints step time over it.
+
+    Left out, as in the FLOP count: norms, activations, RoPE, the GDN recurrence, the K/V and state
+    writes, the acceptance rule and the loop's control.
+    """
     cost = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
-    machine = measure_machine(jnp.dtype(dtype).name, rows=batch * block, working_set_bytes=int(cost.bytes))
-    return cost.seconds(machine)
+    return program_seconds(cost.matmuls, jnp.dtype(dtype).name)

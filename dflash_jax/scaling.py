@@ -6,8 +6,9 @@ shapes) and ``regime.py`` (decode speed-up at fixed tau). Two measurements:
 * ``prefill_seconds``: ``target.prefill`` of one row at each prompt length P (cache capacity P + 256), a
   random-weight target (``synthetic``), every length compiled first (timed apart), then timed warm,
   the lengths alternating order from repeat to repeat; the median per length with its spread. Beside
-  each, the bytes of one attention layer's score tensor on the XLA path, which holds every query's
-  scores over the whole capacity at once: [B, N, P, capacity] in f32.
+  each, the FLOPs and the f32 score bytes of one attention layer as the XLA path spends them: up to
+  256 queries, every query against the whole capacity; beyond, 256-query chunks, each against the
+  keys up to its own end (``kernels.attention.prefill_keys_scored``).
 * ``loop_compile_seconds``: the DFlash loop's ``decode`` (the whole on-device ``while_loop``: draft,
   verify, commit) at a real shape with abstract parameters, timed in its three stages: trace, lower,
   XLA compile for this process's backend. ``depth_configs`` keeps a shape's widths and varies its
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import atomic, roofline, synthetic
+from dflash_jax.kernels.attention import prefill_keys_scored
 from dflash_jax.proposers import DFlashProposer
 from dflash_jax.runtime import ASSETS
 from dflash_jax.speculative import SpecConfig, SpeculativeLoop
@@ -39,7 +41,8 @@ EXTRA = 256  # cache positions beyond the prompt in the prefill measurement (roo
 
 def prefill_seconds(target, lengths, *, repeats: int = 3, seed: int = 0, clock=time.perf_counter) -> list[dict]:
     """Per prompt length: {length, compile_s, median_s, min_s, max_s, ms_per_token, flops, scores_bytes};
-    flops: ``roofline.target_cost`` of the prompt (matmuls, and attention over the whole capacity)."""
+    flops: ``roofline.target_cost`` of the prompt's matmuls with attention over the keys the XLA path
+    scores; scores_bytes: the f32 scores one attention layer computes (all chunks)."""
     rng = np.random.default_rng(seed)
     cfg = target.cfg
     calls = {}
@@ -60,12 +63,16 @@ def prefill_seconds(target, lengths, *, repeats: int = 3, seed: int = 0, clock=t
             start = clock()
             jax.block_until_ready(calls[P]())
             times[P].append(clock() - start)
-    # FLOPs as the XLA path spends them: every query against all P + EXTRA cache rows (masked, not skipped)
+    # FLOPs as the XLA path spends them: the roofline's count has every query against all P + EXTRA cache
+    # rows (masked, not skipped); its attention term is replaced by the (query, key) pairs actually scored.
+    attn_layers = cfg.layer_types.count("full_attention")
+    per_pair = 2 * 2 * cfg.num_attention_heads * cfg.head_dim  # QK and PV
+    scored = {P: prefill_keys_scored(P, P + EXTRA) for P in lengths}
     flops = {P: roofline.target_cost(cfg, tokens=P, context=EXTRA, dtype=target.dtype, logits_rows=1).flops
-             for P in lengths}
+             + attn_layers * per_pair * (scored[P] - P * (P + EXTRA)) for P in lengths}
     return [dict(length=P, compile_s=compile_s[P], median_s=statistics.median(times[P]), min_s=min(times[P]),
                  max_s=max(times[P]), ms_per_token=1e3 * statistics.median(times[P]) / P, flops=flops[P],
-                 scores_bytes=4 * cfg.num_attention_heads * P * (P + EXTRA)) for P in lengths]
+                 scores_bytes=4 * cfg.num_attention_heads * scored[P]) for P in lengths]
 
 
 def depth_configs(raw_target: dict, raw_drafter: dict, layers: int) -> tuple[dict, dict]:

@@ -267,7 +267,8 @@ def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scal
 MAX_QUERIES = 16  # queries per row the kernel's tile holds (a verify block); longer inputs are chunked
 # Queries per chunk of a long input (prefill) on the XLA path: bounds its f32 scores to [B, N, 256, S]
 # (at 8192 prompt tokens a whole-prompt score tensor per attention layer is 4 x 8192 x 8448 x 4 bytes ~ 1 GiB
-# on the shipped model, ~6 GiB at 27B) and keeps them in cache.
+# on the shipped model, ~6 GiB at 27B) and keeps them in cache; a prefill's chunk c scores only the
+# 256 (c + 1) keys it can see (``_reference_chunks``).
 REFERENCE_QUERIES = 256
 
 
@@ -283,12 +284,49 @@ def _by_query_chunks(run, q, k, v, q_start, kv_len, size: int):
     return jnp.moveaxis(out, 0, 1).reshape(B, -1, *q.shape[2:])[:, :T]
 
 
+def prefill_keys_scored(T: int, S: int) -> int:
+    """(query, key) scores a causal prefill of T queries from position 0 computes on the XLA path over a
+    cache of S rows (``_reference_chunks``): T x S in one pass up to REFERENCE_QUERIES queries, else
+    each chunk's queries times the keys up to the chunk's end."""
+    size = REFERENCE_QUERIES
+    if T <= size:
+        return T * S
+    return sum((min(lo + size, T) - lo) * min(lo + size, T, S) for lo in range(0, T, size))
+
+
+def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
+    """The XLA path: ``attention_reference`` on ``REFERENCE_QUERIES``-query chunks of a long input.
+
+    A causal prefill (every row's queries start at position 0, as ``target.prefill``'s do) runs its
+    chunks unrolled, chunk c [c*Q, (c+1)*Q) against keys [0, min((c+1)*Q, T, S)) only, the keys it can see:
+    about half the quadratic FLOPs and score bytes of scoring the whole capacity. Anything else (queries
+    that start later, or a non-causal block that sees every key up to kv_len) scores all S keys per
+    chunk. ``lax.cond`` runs one of the two (the prefill's constant start folds it at compile time).
+    A query that sees no key at all (kv_len 0, or past a short row's window: padding) averages the V
+    rows it was given, as the reference does over all S.
+    """
+    ref = functools.partial(attention_reference, causal=causal, window=window, scale=scale)
+    size, (T, S) = REFERENCE_QUERIES, (q.shape[1], k.shape[1])
+    if T <= size:
+        return ref(q, k, v, q_start, kv_len)
+    every_key = functools.partial(_by_query_chunks, ref, size=size)
+    if not causal:
+        return every_key(q, k, v, q_start, kv_len)
+
+    def seen_keys(q, k, v, q_start, kv_len):
+        # q_start == 0: the queries of [lo, hi) see keys < hi at most (and < kv_len, masked inside)
+        ends = [(lo, min(lo + size, T)) for lo in range(0, T, size)]
+        outs = [ref(q[:, lo:hi], k[:, :min(hi, S)], v[:, :min(hi, S)], q_start + lo, kv_len) for lo, hi in ends]
+        return jnp.concatenate(outs, axis=1)  # [B, T, N, H]
+
+    return lax.cond(jnp.all(q_start == 0), seen_keys, every_key, q, k, v, q_start, kv_len)
+
+
 def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, impl=None):
     """Dispatching entry point; same contract as ``attention_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
-        ref = functools.partial(attention_reference, causal=causal, window=window, scale=scale)
-        return _by_query_chunks(ref, q, k, v, q_start, kv_len, REFERENCE_QUERIES)
+        return _reference_chunks(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale)
     run = functools.partial(attention_pallas, causal=causal, window=window, scale=scale,
                             interpret=mode == "interpret")
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +16,7 @@ from dflash_jax.cli import main
 from dflash_jax.drafter import DrafterConfig, init_drafter, save_drafter
 from dflash_jax.proposers import NoProposer
 from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import SpeculativeLoop
+from dflash_jax.speculative import SpecConfig, SpeculativeLoop, pad_prompts
 from dflash_jax.target import load_target
 
 WORDS = [f"w{i}" for i in range(80)]
@@ -252,35 +254,61 @@ def test_random_config_errors(tmp_path, capsys, extra, match):
     assert match in capsys.readouterr().err
 
 
-def test_profile_times_each_phase_warm():
-    """The per-phase split excludes each phase's first (compiling) call and counts the loop's steps."""
-    clock = [0.0]
+def test_profile_times_each_phase_warm(monkeypatch):
+    """The per-phase split excludes the phases' first (compiling) run and counts the loop's steps."""
+    runs = []
 
-    class PhaseLoop:
-        calls = {"draft": 0, "check": 0, "settle": 0}
+    def phases(loop, params, state, clock):
+        runs.append(state.left)
+        return np.asarray([1.0, 2.0, 0.5]) + (100.0 if len(runs) == 1 else 0.0)  # the first run compiles
 
-        def _run(self, phase, seconds):
-            self.calls[phase] += 1
-            clock[0] += seconds + (100.0 if self.calls[phase] == 1 else 0.0)  # the first call compiles
-            return phase
-
+    class StepLoop:
         def init(self, params, tokens, lengths, rng):
             return SimpleNamespace(finish=np.array([0]), left=3)
-
-        def draft(self, params, s):
-            return self._run("draft", 1.0)
-
-        def check(self, params, s, d):
-            return self._run("check", 2.0)
-
-        def settle(self, params, s, d, v):
-            return self._run("settle", 0.5)
 
         def step(self, params, s):
             return SimpleNamespace(finish=np.array([0 if s.left > 1 else 1]), left=s.left - 1)
 
-    secs, steps = bench.profile(PhaseLoop(), None, None, None, 0, clock=lambda: clock[0])
+    monkeypatch.setattr(bench, "timed_phases", phases)
+    secs, steps = bench.profile(StepLoop(), None, None, None, 0)
     assert steps == 3 and secs.tolist() == [3.0, 6.0, 1.5]
+    assert runs == [3, 3, 2, 1]  # compile on the first state, then one timed run per state the loop steps through
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    """A random-weight hybrid target (width 32, 3 GDN + 1 attention layers) and a one-layer drafter."""
+    from dflash_jax import regime, synthetic
+
+    target = synthetic.random_target(regime._hybrid(32, 4, 64, (2, 1, 16), (1, 2, 16)), dtype=jnp.float32)
+    return target, synthetic.random_drafter(regime._drafter(32, 4, (2, 1, 16), 64), target)
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash(tiny_pair):
+    """(loop, params, tokens, lengths): DFlash block 4 on two prompts, as the bench builds it."""
+    target, drafter = tiny_pair
+    spec = SpecConfig(block_size=4, max_new_tokens=8, stop_ids=())
+    loop, params = bench.method_loop(target, *runtime.proposer_for(runtime.Method("dflash", 4), target, drafter),
+                                     spec)
+    return (loop, params, *pad_prompts([[5, 6, 7], [8, 9]], 8, vocab_size=target.cfg.vocab_size))
+
+
+def test_timed_phases_update_in_place_and_leave_the_state_usable(tiny_dflash):
+    """Each phase donates what it replaces (its compiled program aliases those inputs to its outputs, as
+    the fused step's does), so no phase copies a cache; the state handed in survives and steps as before."""
+    loop, params, tokens, lengths = tiny_dflash
+    s = loop.init(params, tokens, lengths, 0)
+    secs = bench.timed_phases(loop, params, s)
+    assert secs.shape == (3,) and (secs > 0).all()
+    rest = dataclasses.replace(s, cache=None, proposer=None)
+    d = bench._draft(loop, params, jax.tree.map(jnp.copy, s.proposer), rest)
+    cache_bytes = sum(x.nbytes for x in jax.tree.leaves(s.cache))
+    compiled = bench._check.lower(loop, params, s.cache, rest, d).compile()
+    assert compiled.memory_analysis().alias_size_in_bytes >= cache_bytes
+    after = loop.step(params, s)  # s was not consumed by the timed phases
+    fused = loop.step(params, loop.init(params, tokens, lengths, 0))
+    assert np.array_equal(np.asarray(after.out), np.asarray(fused.out))
 
 
 def test_spread():
@@ -312,3 +340,17 @@ def test_prompts_naming_a_directory_and_unwritable_out(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["bench", "--out", str(tmp_path / "file" / "sub"), "--quiet"]) == 2
     assert f"--out {tmp_path / 'file' / 'sub'}: not writable" in capsys.readouterr().err
+
+
+def test_regime_fixed_tau_replays_plain_decoding_at_the_set_acceptance(tiny_pair):
+    """regime.fixed_tau builds its loops with bench.method_loop / with_oracle: every block's greedy text is
+    plain decoding's, and each step accepts min(tau, block) - 1 drafts (tau = committed per step, the last
+    step cut by max_new)."""
+    from dflash_jax import regime
+
+    target, drafter = tiny_pair
+    r = regime.fixed_tau(target, drafter, blocks=(2, 4), tau=3, prompt_len=8, max_new=13, repeats=1)
+    assert [b["block"] for b in r["blocks"]] == [2, 4]
+    assert all(b["same_tokens"] for b in r["blocks"])
+    # block 2: 2 tokens per step, 12 after the first -> 6 steps; block 4: 3 per step -> 4 steps
+    assert [round(b["tau"], 4) for b in r["blocks"]] == [2.0, 3.0]

@@ -141,14 +141,19 @@ def test_bad_blocks_raise():
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 24), (False, None)])
-def test_reference_prefill_in_query_chunks_equals_one_pass(monkeypatch, causal, window):
+@pytest.mark.parametrize("q_start,kv_len", [((0, 0), (40, 30)), ((0, 10), (40, 50))])
+def test_reference_prefill_in_query_chunks_equals_one_pass(monkeypatch, causal, window, q_start, kv_len):
     """The XLA path runs a long input in REFERENCE_QUERIES-query chunks (bounded score tensor): a 40-query
-    prompt at chunk 16 (two full chunks and a padded one) equals the whole-prompt reference."""
+    input at chunk 16 (two full chunks and a short one) equals the whole-input reference, rows of
+    different lengths. Queries from position 0, causal: chunk c scores only keys [0, 16 (c + 1)); the
+    non-causal case, whose queries see keys past their own chunk (kv_len 30 > 16), must not be cut."""
     monkeypatch.setattr(importlib.import_module("dflash_jax.kernels.attention"), "REFERENCE_QUERIES", 16)
     T, S = 40, 64
     q, k, v = _inputs(2, T, 4, 2, 32, S, jnp.float32)
-    q_start, kv_len = jnp.asarray([0, 10], jnp.int32), jnp.asarray([T, T + 10], jnp.int32)
+    q_start, kv_len = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
     ref = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
     run = functools.partial(attention, causal=causal, window=window, impl="reference")
-    assert "scan" in str(jax.make_jaxpr(run)(q, k, v, q_start, kv_len))  # the chunks, not one pass
     np.testing.assert_allclose(np.asarray(run(q, k, v, q_start, kv_len)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(run)(q, k, v, q_start, kv_len))
+    assert "scan" in jaxpr  # the chunks, not one pass
+    assert ("f32[2,16,2,32]" in jaxpr) == causal  # the first chunk's 16 keys of the 64 (only when causal)

@@ -1,5 +1,5 @@
 """The roofline: FLOPs and bytes checked against hand counts and the models' own parameter trees,
-the ceiling in its two limits, and the machine measurement."""
+the ceiling in its two limits, and the measured floor: its program, and the ceiling from it."""
 
 from __future__ import annotations
 
@@ -109,10 +109,28 @@ def test_bad_arguments_are_named():
         roofline.step_cost(HYBRID, DRAFT, block=4, batch=0)
 
 
-def test_measure_machine_is_cached_and_sane():
-    m = roofline.measure_machine("float32", rows=4, working_set_bytes=2**22, repeats=3)
-    assert m is roofline.measure_machine("float32", rows=4, working_set_bytes=2**22, repeats=3)
-    assert 1e8 < m.matmul_flops_per_s < 1e16 and 1e8 < m.bytes_per_s < 1e14
+def test_program_runs_exactly_the_listed_matmuls():
+    """XLA's own FLOP count of one run of the floor's program is the matmuls' FLOPs (plus the chain's
+    adds), each weight is its own buffer of the real size, and every output is returned."""
+    cost = roofline.step_cost(HYBRID, DRAFT, block=4, context=10, dtype=jnp.float32)
+    assert sum(m.flops for m in cost.matmuls) == cost.flops
+    fn, (inputs, weights) = roofline.matmul_program(cost.matmuls, "float32")
+    lead = lambda m: (m.count,) if m.count > 1 else ()
+    assert [w.shape for w in weights] == [(*lead(m), m.d_out, m.d_in) for m in cost.matmuls]
+    assert len({id(w) for w in weights}) == len(weights)
+    compiled = jax.jit(fn, static_argnums=0).lower(1, inputs, weights).compile()
+    adds = sum(x.size for x in inputs)
+    assert compiled.cost_analysis()["flops"] == pytest.approx(cost.flops + adds, rel=0.01)
+    outs = jax.jit(fn)(3, inputs, weights)
+    assert [o.shape for o in outs] == [(*lead(m), m.rows, m.d_out) for m in cost.matmuls]
+    assert all(bool(jnp.allclose(o, 1.0)) for o in outs)  # ones @ (1 / d_in): no overflow along the chain
+
+
+def test_program_seconds_is_cached_and_sane():
+    matmuls = (roofline.Matmul(4, 256, 512), roofline.Matmul(4, 512, 256))
+    s = roofline.program_seconds(matmuls, "float32", repeats=3)
+    assert s is roofline.program_seconds(matmuls, "float32", repeats=3)
+    assert 0 < s < 10 and math.isfinite(s)
     c = roofline.measured_ceiling(HYBRID, DRAFT, block=4, tau=3.0, context=10)
     assert 0 < c and math.isfinite(c)
 
@@ -122,10 +140,43 @@ HAND_DRAFT = DrafterConfig(hidden_size=64, num_hidden_layers=1, num_attention_he
                            target_layer_ids=(0,), num_target_layers=2)
 
 
-def test_measured_ceiling_on_hand_counted_flops(monkeypatch):
-    """What the CLI prints: tau x plain step time / DFlash step time at this machine's rates. On a
-    compute-bound machine (1 GFLOP/s, unbounded bandwidth) that is tau x a ratio of hand-counted FLOPs."""
-    monkeypatch.setattr(roofline, "measure_machine", lambda *a, **k: roofline.Machine(1e9, 1e30))
+def test_step_matmuls_are_the_modules_shapes():
+    """The floor's program at block 4, context 10, by hand: every module's own linear, in order, and
+    attention's QK / PV per KV head (2 query heads of 32 share one KV head: 4 x 2 query rows)."""
+    M = roofline.Matmul
+    layer = [M(4, 64, 128), M(4, 64, 32), M(4, 64, 32),  # q (with gate), k, v
+             M(8, 32, 14), M(8, 14, 32), M(4, 64, 64),  # QK over 14 keys, PV, o
+             M(4, 64, 128), M(4, 64, 128), M(4, 128, 64)]  # gate, up, down
+    target = 2 * layer + [M(4, 64, 256)]  # the tied head on 4 rows
+    drafter = [M(4, 64, 64),  # fc over the one tap
+               M(4, 64, 32), M(4, 64, 32),  # context K, V
+               M(4, 64, 64), M(4, 64, 32), M(4, 64, 32),  # q, k, v
+               M(8, 32, 14), M(8, 14, 32), M(4, 64, 64),
+               M(4, 64, 128), M(4, 64, 128), M(4, 128, 64),
+               M(3, 64, 256)]  # the target's head on the 3 draft rows
+    assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).matmuls == tuple(target + drafter)
+
+
+@pytest.fixture
+def fake_timer(monkeypatch):
+    """``install(seconds)``: every program's window takes ``seconds(matmuls)``; the floors' caches are
+    emptied on install and afterwards, so no fake figure outlives the test."""
+    def clear():
+        roofline.program_seconds.cache_clear()
+        roofline.program_ratio.cache_clear()
+
+    def install(seconds):
+        monkeypatch.setattr(roofline, "_timer", lambda matmuls, dtype, window_s: lambda: seconds(matmuls))
+        clear()
+
+    yield install
+    clear()
+
+
+def test_measured_ceiling_on_hand_counted_flops(fake_timer):
+    """What the CLI prints: tau x plain step floor / DFlash step floor. With a program timer that
+    charges 1 ns per FLOP, that is tau x a ratio of hand-counted FLOPs."""
+    fake_timer(lambda matmuls: sum(m.flops for m in matmuls) * 1e-9)
     plain = 2 * (2 * 40960 + 64 * 256) + 2 * 2 * 2 * (2 * 32 * 11)  # test_hand_counted_decode_step at context 10
     # verify of 4 tokens: 2 layers' weights + attention over 14 keys + tied head on 4 rows
     verify = 2 * 4 * 2 * 40960 + 2 * 2 * 2 * (4 * 2 * 32 * 14) + 2 * 4 * 64 * 256
@@ -133,9 +184,9 @@ def test_measured_ceiling_on_hand_counted_flops(monkeypatch):
     draft = (2 * 4 * 64 * 64 + 2 * 4 * 64 * 64 + 2 * 4 * 64 * 128 + 2 * 4 * 64 * 64 + 2 * 2 * (4 * 2 * 32 * 14)
              + 2 * 4 * 64 * 384 + 2 * 3 * 64 * 256)
     assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).flops == verify + draft
+    assert roofline.measured_step_seconds(HAND, None, block=1, context=10) == pytest.approx(plain * 1e-9)
     got = roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10)
     assert got == pytest.approx(3.0 * plain / (verify + draft))  # 0.63x: the block costs 4.7 plain steps
-    # rates measured at the block's shape far above the one-token shape's cannot make a block cheaper
-    monkeypatch.setattr(roofline, "measure_machine",
-                        lambda dtype, rows, working_set_bytes: roofline.Machine(1e9 * rows ** 3, 1e30))
+    # a timing of the block's program below the one-token program's (a busy machine) cannot make a block cheaper
+    fake_timer(lambda matmuls: 1.0 / len(matmuls))
     assert roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10) == pytest.approx(3.0)

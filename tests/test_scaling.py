@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from dflash_jax import regime, scaling, synthetic
+from dflash_jax.kernels.attention import prefill_keys_scored
 
 # width 32, 4 layers (3 Gated DeltaNet + 1 attention), MLP 64; 2 query heads over 1 KV head of 16
 TINY = (regime._hybrid(32, 4, 64, (2, 1, 16), (1, 2, 16)), regime._drafter(32, 4, (2, 1, 16), 64))
@@ -22,6 +23,14 @@ def test_prefill_table_is_linear_against_the_first_length():
     assert lines[2] == "| 8 | 1000.0 (500.0-2000.0) | 125.000 | 1.00x | 1.00x | 3.0 | 1 MiB |"
     # 4 s where linear says 2 s; 30 FLOPs where linear says 20
     assert lines[3].startswith("| 16 | 4000.0 (4000.0-4000.0) | 250.000 | 2.00x | 1.50x |")
+
+
+def test_prefill_scores_only_the_keys_each_chunk_sees():
+    """600 queries from position 0 over 856 cache rows, in 256-query chunks: 256 x 256 + 256 x 512 + 88 x 600
+    scores, against 600 x 856 in one pass; up to 256 queries it is one pass over the whole capacity."""
+    assert prefill_keys_scored(600, 856) == 256 * 256 + 256 * 512 + 88 * 600
+    assert prefill_keys_scored(200, 456) == 200 * 456
+    assert prefill_keys_scored(8192, 8448) < 0.52 * 8192 * 8448  # about half the quadratic term
 
 
 def test_depth_configs_keep_the_widths_and_spread_the_taps():
