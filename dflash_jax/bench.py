@@ -736,7 +736,8 @@ def add_parser(sub) -> None:
     b.add_argument("--workload", default="humaneval", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     b.add_argument("--methods", default="ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16",
                    help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B); ar is always run")
-    b.add_argument("--prompts", help='JSONL of {"turns": [...]} (z-lab format) for the one --workload')
+    b.add_argument("--prompts", help='JSONL for the one --workload, as generate reads it: {"prompt": "..."} or '
+                   '{"turns": [...]} (z-lab format, the first turn) per line')
     b.add_argument("--prompt-format", choices=("zlab", "raw"), default="zlab",
                    help="zlab: z-lab's instruction wrappers; raw: the data set's text alone (completion models)")
     b.add_argument("--num-prompts", type=int, default=8)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-from dflash_jax.runtime import read_jsonl
+from dflash_jax.runtime import read_jsonl, read_prompt_texts
 
 WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -43,19 +43,15 @@ class DatasetMissing(ValueError):
 def _missing(workload: str, why: str) -> DatasetMissing:
     return DatasetMissing(
         f"workload {workload}: no prompts ({why}). Provide them with --prompts FILE.jsonl, one JSON object per "
-        f'line with "turns": ["first user turn", ...] (z-lab\'s cached format, used as is), or install '
-        f"`datasets` on a machine that reaches the Hugging Face hub.")
+        f'line with "prompt": "..." or "turns": ["first user turn", ...] (z-lab\'s cached format, used as is), or '
+        f"install `datasets` on a machine that reaches the Hugging Face hub.")
 
 
 def _file_turns(prompts_file: str, workload: str) -> list[str]:
+    """A ``--prompts`` file, read as ``generate --prompts`` reads it ("prompt", or z-lab's "turns")."""
     if prompts_file != "-" and not Path(prompts_file).exists():
         raise _missing(workload, f"{prompts_file} does not exist")
-    rows = read_jsonl(prompts_file, "--prompts")
-    bad = [i for i, r in enumerate(rows) if not (isinstance(r.get("turns"), list) and r["turns"]
-                                                 and isinstance(r["turns"][0], str))]
-    if bad:
-        raise ValueError(f"--prompts {prompts_file}: object {bad[0] + 1} has no non-empty \"turns\" list of strings")
-    return [r["turns"][0] for r in rows]
+    return read_prompt_texts(prompts_file, "--prompts")
 
 
 def _humaneval(fmt: str) -> list[str]:

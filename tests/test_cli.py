@@ -314,7 +314,7 @@ def test_invalid_utf8_prompt(capsys, monkeypatch):
     ("generate", b'{"prompt": "\xff"}\n', "line 1 is not valid UTF-8"),
     ("generate", "\n", "no prompts in the file"),
     ("bench", '{"turns": ["a"]}\n{"turns": [\n', "line 2 is not valid JSON"),
-    ("bench", '{"prompt": "a"}\n', 'object 1 has no non-empty "turns" list'),
+    ("bench", '{"prompt": "a"}\n{"turns": []}\n', 'line 2 has no "prompt" string'),  # generate's reader
 ])
 def test_bad_prompts_file(tmp_path, capsys, command, content, match):
     """generate's and bench's --prompts files: one message naming the file and the line or object."""

@@ -15,8 +15,10 @@ def test_prompts_file_first_turns(tmp_path):
     f.write_text(json.dumps({"turns": ["a", "b"]}) + "\n\n" + json.dumps({"turns": ["c"]}) + "\n")
     assert workloads.load_turns("gsm8k", str(f), 8) == ["a", "c"]
     assert workloads.load_turns("gsm8k", str(f), 1) == ["a"]
-    f.write_text(json.dumps({"turns": []}) + "\n")
-    with pytest.raises(ValueError, match=r"object 1 has no non-empty \"turns\""):
+    f.write_text(json.dumps({"prompt": "d"}) + "\n" + json.dumps({"turns": ["e"]}) + "\n")
+    assert workloads.load_turns("gsm8k", str(f), 8) == ["d", "e"]  # generate's "prompt" records too
+    f.write_text(json.dumps({"prompt": "d"}) + "\n" + json.dumps({"turns": []}) + "\n")
+    with pytest.raises(ValueError, match=r'line 2 has no "prompt" string'):
         workloads.load_turns("gsm8k", str(f), 8)
 
 
