@@ -44,8 +44,8 @@ def test_torch_free_tests_run_and_oracle_tests_skip_without_torch(tmp_path):
     probe = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True)
     assert "No module named 'torch'" in probe.stderr  # the hiding works
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_kernels_moe.py",
-         "-k", "bad_shapes", "tests/test_target.py"],
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",  # one process
+         "tests/test_kernels_moe.py", "-k", "bad_shapes", "tests/test_target.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
