@@ -17,8 +17,9 @@ the plain and the DFlash step's programs in adjacent pairs. ``step_cost`` counts
 * FLOPs: 2 x rows x the linear weights each token meets (every matmul: projections, MLP or the k routed
   + shared experts, LM head), plus attention's QK and PV over the context. Norms, activations, RoPE
   and the Gated DeltaNet recurrence are left out (a few percent at the shipped sizes, < 1% at 27B).
-  Every FLOP counted is one of ``matmuls``: each module's own linears (q, k, v, o; gate, up, down; the
-  GDN's four input projections and its output) and attention's QK and PV per (row, KV head).
+  ``Cost.flops`` is derived from ``Cost.matmuls``, the one record: each module's own linears (q, k,
+  v, o; gate, up, down; the GDN's four input projections and its output) and attention's QK and PV
+  per (row, KV head).
 * Bytes: every weight matrix the step touches, read once (routed experts: the expected number of
   distinct experts the step's tokens pick), the K/V cache read over the context and the new K/V rows
   written, the GDN state read in verify and read + written in commit, and the logits written.
@@ -76,15 +77,18 @@ class Matmul:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """FLOPs and bytes of a piece of work and the matmuls that make its FLOPs; ``+`` adds, ``seconds``
+    """The bytes a piece of work moves and the matmuls that make its FLOPs; ``+`` adds, ``seconds``
     is its roofline time on a machine."""
 
-    flops: float = 0.0
     bytes: float = 0.0
     matmuls: tuple[Matmul, ...] = ()
 
+    @property
+    def flops(self) -> float:
+        return sum(m.flops for m in self.matmuls)
+
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.flops + other.flops, self.bytes + other.bytes, self.matmuls + other.matmuls)
+        return Cost(self.bytes + other.bytes, self.matmuls + other.matmuls)
 
     def seconds(self, machine: Machine) -> float:
         return max(self.flops / machine.matmul_flops_per_s, self.bytes / machine.bytes_per_s)
@@ -167,7 +171,7 @@ def program_ratio(slow: tuple[Matmul, ...], fast: tuple[Matmul, ...], dtype: str
 
 def _linear(rows: float, d_in: int, d_out: int, itemsize: int) -> Cost:
     """A [rows, d_in] @ [d_in, d_out] matmul: its FLOPs and its weight read."""
-    return Cost(2.0 * rows * d_in * d_out, float(d_in * d_out * itemsize), (Matmul(rows, d_in, d_out),))
+    return Cost(float(d_in * d_out * itemsize), (Matmul(rows, d_in, d_out),))
 
 
 def _mlp(rows: float, d: int, f: int, itemsize: int) -> Cost:
@@ -183,11 +187,10 @@ def _attention_core(batch: int, t: int, context: int, heads: int, kv_heads: int,
                     itemsize: int) -> Cost:
     """Scores and weighted values of t queries over context + t keys; K/V read, new rows written."""
     keys, group = context + t, heads // kv_heads
-    flops = 2.0 * 2 * batch * t * heads * head_dim * keys
     # per (row, KV head): the group's t x group queries against K [keys, head_dim], then against V
     rows = batch * kv_heads
     matmuls = (Matmul(t * group, head_dim, keys, rows), Matmul(t * group, keys, head_dim, rows))
-    return Cost(flops, float(2 * batch * (keys + t) * kv_heads * head_dim * itemsize), matmuls)
+    return Cost(float(2 * batch * (keys + t) * kv_heads * head_dim * itemsize), matmuls)
 
 
 def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int = 0, dtype=jnp.bfloat16,
@@ -200,7 +203,7 @@ def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int 
     """
     size = jnp.dtype(dtype).itemsize
     D, m = cfg.hidden_size, batch * tokens
-    cost = Cost(0.0, float(m * D * size))  # embedding rows gathered
+    cost = Cost(float(m * D * size))  # embedding rows gathered
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     Hv, Dk, Dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     for kind in cfg.layer_types:
@@ -213,15 +216,14 @@ def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int 
             cost += _linear(m, D, cfg.conv_dim, size) + _linear(m, D, cfg.linear_value_dim, size)
             cost += _linear(m, D, Hv, size) + _linear(m, D, Hv, size) + _linear(m, cfg.linear_value_dim, D, size)
             # f32 state: read by verify, read + written by commit
-            cost += Cost(0.0, 3.0 * batch * Hv * Dk * Dv * 4)
+            cost += Cost(3.0 * batch * Hv * Dk * Dv * 4)
         if cfg.is_moe:
             E, k, Fe = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
             cost += _linear(m, D, E, size)  # router
             touched = _distinct_experts(m, E, k)
             # the m x k (token, expert) rows spread over the experts they touch: gate_up, then down
             per = m * k / touched
-            cost += Cost(2.0 * m * k * 3 * D * Fe, touched * 3 * D * Fe * size,
-                         (Matmul(per, D, 2 * Fe, touched), Matmul(per, Fe, D, touched)))
+            cost += Cost(touched * 3 * D * Fe * size, (Matmul(per, D, 2 * Fe, touched), Matmul(per, Fe, D, touched)))
             if cfg.shared_expert_intermediate_size:
                 cost += _mlp(m, D, cfg.shared_expert_intermediate_size, size) + _linear(m, D, 1, size)
         else:
@@ -232,7 +234,7 @@ def target_cost(cfg: TargetConfig, *, tokens: int, batch: int = 1, context: int 
 
 def _lm_head(cfg: TargetConfig, rows: float, itemsize: int) -> Cost:
     """The (possibly tied) LM head on ``rows`` rows, logits written in f32."""
-    return _linear(rows, cfg.hidden_size, cfg.vocab_size, itemsize) + Cost(0.0, rows * cfg.vocab_size * 4.0)
+    return _linear(rows, cfg.hidden_size, cfg.vocab_size, itemsize) + Cost(rows * cfg.vocab_size * 4.0)
 
 
 def drafter_cost(cfg: DrafterConfig, target: TargetConfig, *, block: int, batch: int = 1, context: int = 0,

@@ -288,10 +288,16 @@ def prefill_keys_scored(T: int, S: int) -> int:
     """(query, key) scores a causal prefill of T queries from position 0 computes on the XLA path over a
     cache of S rows (``_reference_chunks``): T x S in one pass up to REFERENCE_QUERIES queries, else
     each chunk's queries times the keys up to the chunk's end."""
-    size = REFERENCE_QUERIES
-    if T <= size:
+    if T <= REFERENCE_QUERIES:
         return T * S
-    return sum((min(lo + size, T) - lo) * min(lo + size, T, S) for lo in range(0, T, size))
+    return sum((hi - lo) * keys for lo, hi, keys in _prefill_chunks(T, S))
+
+
+def _prefill_chunks(T: int, S: int) -> list[tuple[int, int, int]]:
+    """(lo, hi, keys) per ``REFERENCE_QUERIES``-query chunk [lo, hi) of a causal prefill from position 0:
+    its queries see keys [0, keys) at most, keys = min(hi, S)."""
+    size = REFERENCE_QUERIES
+    return [(lo, min(lo + size, T), min(lo + size, T, S)) for lo in range(0, T, size)]
 
 
 def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
@@ -315,8 +321,8 @@ def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
 
     def seen_keys(q, k, v, q_start, kv_len):
         # q_start == 0: the queries of [lo, hi) see keys < hi at most (and < kv_len, masked inside)
-        ends = [(lo, min(lo + size, T)) for lo in range(0, T, size)]
-        outs = [ref(q[:, lo:hi], k[:, :min(hi, S)], v[:, :min(hi, S)], q_start + lo, kv_len) for lo, hi in ends]
+        outs = [ref(q[:, lo:hi], k[:, :keys], v[:, :keys], q_start + lo, kv_len)
+                for lo, hi, keys in _prefill_chunks(T, S)]
         return jnp.concatenate(outs, axis=1)  # [B, T, N, H]
 
     return lax.cond(jnp.all(q_start == 0), seen_keys, every_key, q, k, v, q_start, kv_len)
