@@ -27,13 +27,13 @@ class AttentionCache:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GDNPending:
-    """Per-token inputs of the delta-rule updates of a verify, kept for the commit's replay."""
+    """What the commit needs of a verify's tokens: their conv inputs and their delta-rule updates
+    (S <- e^g S + k u^T per token, ``kernels.gdn``)."""
 
     mixed: jax.Array  # [B, T, C] raw conv inputs, C head-grouped (layers.gdn_channel_order)
     k: jax.Array  # [B, T, Hk, Dk] f32, L2-normalised
-    v: jax.Array  # [B, T, Hv, Dv]
-    g: jax.Array  # [B, T, Hv] f32
-    beta: jax.Array  # [B, T, Hv] f32
+    u: jax.Array  # [B, T, Hv, Dv] f32 the values each token writes (beta (v - decayed state^T k))
+    g: jax.Array  # [B, T, Hv] f32 log-decay
     kernels: str = dataclasses.field(metadata=dict(static=True))  # the verify's kernel mode, for the replay
 
 

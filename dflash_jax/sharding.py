@@ -98,8 +98,7 @@ CACHES: dict[str, dict[str, tuple[str | None, ...]]] = {
     "AttentionCache": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
     "GDNCache": {"conv": ("batch", None, "gdn_channels"), "state": ("batch", "v_heads", None, None)},
     "GDNPending": {"mixed": ("batch", None, "gdn_channels"), "k": ("batch", None, "k_heads", None),
-                   "v": ("batch", None, "v_heads", None), "g": ("batch", None, "v_heads"),
-                   "beta": ("batch", None, "v_heads")},
+                   "u": ("batch", None, "v_heads", None), "g": ("batch", None, "v_heads")},
     "MTPState": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
     "DraftCache": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
 }

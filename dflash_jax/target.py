@@ -14,8 +14,8 @@ The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below
 processed only those n[b] tokens. Full-attention layers: verify writes K/V rows [len, len + T),
 commit only advances ``lengths`` (rejected rows are masked by length and overwritten later). Gated
 DeltaNet layers (``GatedDeltaNet.verify``/``.commit``): verify reads the state and conv window
-without writing them and records the per-token update inputs (``GDNPending``); commit replays the
-first n of them from the old state and slides the conv window. Decoding one token is verify(T=1)
+without writing them and records each token's update (``GDNPending``); commit applies the first n
+of them to the old state (in closed form) and slides the conv window. Decoding one token is verify(T=1)
 followed by commit(1). ``verify`` and ``commit`` donate the cache they are given, so a step updates
 it in place instead of copying it (the Pallas replay also aliases the state it rewrites).
 """

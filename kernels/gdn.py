@@ -12,22 +12,28 @@ Inputs arrive already prepared by the layer: q and k L2-normalised (q also scale
 reads key head j // (Hv // Hk). A token with ``g = beta = 0`` leaves the state exactly unchanged,
 which is how padding and "not committed" are expressed.
 
+Given the writes u_t, the state is linear in them: S_t = e^(g_t) S_(t-1) + k_t u_t^T, so the state
+after the first n tokens is, with G_t = g_0 + .. + g_t (the cumulative log-decay),
+``S_n = e^(G_(n-1)) S_0 + sum_(t<n) e^(G_(n-1) - G_t) k_t u_t^T``: no token depends on the next.
+
 Three entry points share these semantics:
 - ``gdn_chunked``: whole prompts, chunk 64 (WY/UT form), returns outputs and the final state.
-- ``gdn_verify``: T <= 16 speculative tokens, outputs only; the cached state is read, never written.
-- ``gdn_replay``: the first n[b] of those tokens applied to the state (the commit step).
+- ``gdn_verify``: T <= 16 speculative tokens, outputs and the writes u; the cached state is read, never written.
+- ``gdn_replay``: the first n[b] of those tokens applied to the state from their k, u and g (the commit
+  step), by the closed form above: one weighted sum, not a second pass of the recurrence.
 
 Pallas kernels (Triton backend; all math in f32, f32 dots at ``Precision.HIGHEST`` because the
 Triton default for f32 is TF32). Each program owns one (row b, value head h, Dv tile of
 ``block_v``); the key head is picked by the index map, so GQA costs no copies.
 - verify, grid (B, Hv, Dv/BV): the [Dk, BV] state tile is loaded once into registers and the T
   tokens are applied in a fori_loop with elementwise products and reductions (the products are
-  rank-1 / matrix-vector, too thin for MMA). o_t is stored per token; the state is never stored.
-  HBM traffic = state read + q, k, v, g, beta read + o written: ~B*Hv*Dk*Dv*4 bytes dominate.
-- replay, grid (B, Hv, Dv/BV): same per-token step (shared with verify) in a loop of n[b] trips,
-  then one store of the tile into the aliased state. The loop body does not depend on T, so a
-  replay of n tokens is bit-identical whatever T the inputs were padded to, and n = 0 stores back
-  exactly what was loaded. Traffic = state read + written once, plus k, v, g, beta.
+  rank-1 / matrix-vector, too thin for MMA). o_t and u_t are stored per token; the state is never
+  stored. HBM traffic = state read + q, k, v, g, beta read + o, u written: ~B*Hv*Dk*Dv*4 bytes dominate.
+- replay, grid (B, Hv, Dv/BV): the closed form in two loops of n[b] trips: the kept tokens' total
+  log-decay (scalars), then the scaled tile plus one rank-1 term per token (no reduction: nothing
+  in the loop reads the state), then one store into the aliased state. The loops do not depend on
+  T, so a replay of n tokens is bit-identical whatever T the inputs were padded to, and n = 0 stores
+  back exactly what was loaded. Traffic = state read + written once, plus k, u, g.
 - chunked, grid (B, Hv, Dv/BV): the program walks the chunks of 64 sequentially with the state
   tile as the loop carry (FLA ``chunk_delta_h`` + ``chunk_o`` fused, no per-chunk states in HBM),
   held as Dk/BK row slices [BK, BV] so that no dot operand spans all of Dk (f32 operands of a
@@ -66,7 +72,8 @@ def _expand_heads(x, num_value_heads):
 
 
 def _scan_tokens(q, k, v, g, beta, state, *, want_outputs):
-    """Token-by-token recurrence; the oracle for every GDN kernel."""
+    """Token-by-token recurrence; the oracle for every GDN kernel: (o, u, final state), o and u
+    [B, T, Hv, Dv] f32 (None unless ``want_outputs``)."""
     Hv = v.shape[2]
     k = _expand_heads(k, Hv)
     xs = [k, v.astype(jnp.float32), g.astype(jnp.float32), beta.astype(jnp.float32)]
@@ -80,33 +87,47 @@ def _scan_tokens(q, k, v, g, beta, state, *, want_outputs):
         u = b_t[..., None] * (v_t - jnp.einsum("bhk,bhkv->bhv", k_t, S, precision=HIGHEST))
         S = S + k_t[..., :, None] * u[..., None, :]
         o = jnp.einsum("bhk,bhkv->bhv", x[4], S, precision=HIGHEST) if want_outputs else None
-        return S, o
+        return S, (o, u if want_outputs else None)
 
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)
-    return (jnp.moveaxis(o, 0, 1) if want_outputs else None), state
+    state, (o, u) = jax.lax.scan(step, state.astype(jnp.float32), xs)
+    if not want_outputs:
+        return None, None, state
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(u, 0, 1), state
 
 
 def gdn_verify_reference(q, k, v, g, beta, state):
-    """Outputs of T tokens from ``state`` without producing a new state.
+    """Outputs of T tokens from ``state`` and the values they write, without producing a new state.
 
     Args:
       q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv]; state: [B, Hv, Dk, Dv] f32.
     Returns:
-      o: [B, T, Hv, Dv] f32.
+      (o, u): [B, T, Hv, Dv] f32 each; u_t = beta_t (v_t - (e^(g_t) S_(t-1))^T k_t), what ``gdn_replay`` adds.
     """
-    return _scan_tokens(q, k, v, g, beta, state, want_outputs=True)[0]
+    return _scan_tokens(q, k, v, g, beta, state, want_outputs=True)[:2]
 
 
-def gdn_replay_reference(k, v, g, beta, state, n):
-    """The state after applying the first n[b] tokens of each row ([B] int32)."""
-    keep = jnp.arange(g.shape[1])[None, :, None] < n[:, None, None]  # [B, T, 1]
-    g, beta = jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
-    return _scan_tokens(None, k, v, g, beta, state, want_outputs=False)[1]
+def gdn_replay_reference(k, u, g, state, n):
+    """The state after the first n[b] ([B] int32 in 0..T) of the tokens a verify returned the writes u of.
+
+    Args:
+      k: [B, T, Hk, Dk]; u: [B, T, Hv, Dv] (``gdn_verify``'s); g: [B, T, Hv]; state: [B, Hv, Dk, Dv] f32.
+    Returns:
+      [B, Hv, Dk, Dv] f32, by the closed form (module docstring): tokens t >= n[b] get weight 0 and their
+      decay is masked before ``exp``, so n = 0 returns the state unchanged.
+    """
+    keep = jnp.arange(g.shape[1])[None, :] < n[:, None]  # [B, T]
+    G = jnp.cumsum(jnp.where(keep[..., None], g.astype(jnp.float32), 0.0), axis=1)  # [B, T, Hv]
+    total = G[:, -1]  # [B, Hv]: the kept tokens' log-decay
+    weight = jnp.where(keep[..., None], jnp.exp(total[:, None] - G), 0.0)  # [B, T, Hv]
+    k = _expand_heads(k, u.shape[2]) * weight[..., None]  # [B, T, Hv, Dk]
+    update = jnp.einsum("bthk,bthv->bhkv", k, u.astype(jnp.float32), precision=HIGHEST)
+    return jnp.exp(total)[..., None, None] * state.astype(jnp.float32) + update
 
 
 def gdn_recurrent_reference(q, k, v, g, beta, state):
     """Token-by-token outputs and final state; (o [B,T,Hv,Dv] f32, state [B,Hv,Dk,Dv] f32)."""
-    return _scan_tokens(q, k, v, g, beta, state, want_outputs=True)
+    o, _, state = _scan_tokens(q, k, v, g, beta, state, want_outputs=True)
+    return o, state
 
 
 def _unit_lower_inverse_xla(a):
@@ -142,6 +163,12 @@ def _unit_lower_inverse_xla(a):
 
 def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
     """Chunked (WY/UT) form of the same recurrence, for long inputs; same contract as the recurrence."""
+    o, _, state = _chunked(q, k, v, g, beta, state, chunk)
+    return o, state
+
+
+def _chunked(q, k, v, g, beta, state, chunk):
+    """The WY/UT form: (o, u, final state), o and u [B, T, Hv, Dv] f32 (u: the writes, as the recurrence's)."""
     B, T, _, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     pad = -T % chunk
@@ -175,12 +202,12 @@ def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
         last = gc_c[..., -1:]
         S = jnp.exp(last)[..., None] * S + jnp.einsum(
             "bhik,bhiv->bhkv", k_c * jnp.exp(last - gc_c)[..., None], v_new, precision=HIGHEST)
-        return S, o
+        return S, (o, v_new)
 
     xs = [jnp.moveaxis(x, 2, 0) for x in (q, k, u, w, qk, gc)]
-    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)  # o [Nc, B, H, C, Dv]
-    o = jnp.moveaxis(o, 0, 2).reshape(B, Hv, nc * chunk, Dv)[:, :, :T]
-    return jnp.moveaxis(o, 1, 2), state
+    state, outs = jax.lax.scan(step, state.astype(jnp.float32), xs)  # each [Nc, B, H, C, Dv]
+    o, writes = (jnp.moveaxis(jnp.moveaxis(x, 0, 2).reshape(B, Hv, nc * chunk, Dv)[:, :, :T], 1, 2) for x in outs)
+    return o, writes, state
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,34 +265,37 @@ def _dot(a, b, contract=(1, 0)):
                                preferred_element_type=jnp.float32)
 
 
-def _token_step(S, k, v, g, beta):
-    """One token of the gated delta rule on a state tile. S [Dk, BV], k [Dk], v [BV], g and beta scalars."""
-    S = S * jnp.exp(g)
-    u = beta * (v - jnp.sum(k[:, None] * S, axis=0))  # [BV]
-    return S + k[:, None] * u[None, :]
-
-
-def _gdn_verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref):
-    # q_ref, k_ref [T, Dk]; v_ref, o_ref [T, BV]; g_ref, beta_ref [T]; state_ref [Dk, BV]
+def _gdn_verify_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, u_ref):
+    # q_ref, k_ref [T, Dk]; v_ref, o_ref, u_ref [T, BV]; g_ref, beta_ref [T]; state_ref [Dk, BV]
     f32 = jnp.float32
 
-    def body(t, S):
-        S = _token_step(S, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), g_ref[t], beta_ref[t])
+    def body(t, S):  # one token of the gated delta rule on the state tile S [Dk, BV]
+        k = k_ref[t, :].astype(f32)
+        S = S * jnp.exp(g_ref[t])
+        u = beta_ref[t] * (v_ref[t, :].astype(f32) - jnp.sum(k[:, None] * S, axis=0))  # [BV]
+        S = S + k[:, None] * u[None, :]
         o_ref[t, :] = jnp.sum(q_ref[t, :].astype(f32)[:, None] * S, axis=0)
+        u_ref[t, :] = u
         return S
 
     jax.lax.fori_loop(0, v_ref.shape[0], body, state_ref[...])
 
 
-def _gdn_replay_kernel(k_ref, v_ref, g_ref, beta_ref, n_ref, state_ref, state_out_ref):
-    # k_ref [T, Dk]; v_ref [T, BV]; g_ref, beta_ref [T]; n_ref [] int32; state refs [Dk, BV]
+def _gdn_replay_kernel(k_ref, u_ref, g_ref, n_ref, state_ref, state_out_ref):
+    # k_ref [T, Dk]; u_ref [T, BV]; g_ref [T]; n_ref [] int32; state refs [Dk, BV]
     f32 = jnp.float32
+    n = n_ref[()]
+    # Trip counts are n, not T: tokens past n are never touched, so the result cannot depend on T.
+    total = jax.lax.fori_loop(0, n, lambda t, acc: acc + g_ref[t], jnp.zeros((), f32))
 
-    def body(t, S):
-        return _token_step(S, k_ref[t, :].astype(f32), v_ref[t, :].astype(f32), g_ref[t], beta_ref[t])
+    def body(t, carry):  # carry: (S, G_(t-1)); adds e^(total - G_t) k_t u_t^T
+        S, G = carry
+        G = G + g_ref[t]
+        k = k_ref[t, :].astype(f32) * jnp.exp(total - G)
+        return S + k[:, None] * u_ref[t, :].astype(f32)[None, :], G
 
-    # The trip count is n, not T: tokens past n are never touched, so the result cannot depend on T.
-    state_out_ref[...] = jax.lax.fori_loop(0, n_ref[()], body, state_ref[...])
+    S, _ = jax.lax.fori_loop(0, n, body, (state_ref[...] * jnp.exp(total), jnp.zeros((), f32)))
+    state_out_ref[...] = S
 
 
 def _unit_lower_inverse(a_t):
@@ -340,21 +370,21 @@ def _gdn_chunked_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, state_ref, o_ref, 
         state_out_ref[ks, :] = S_s
 
 
-def _check_shapes(name, q, k, v, g, beta, state, n=None):
-    """Validates the shared GDN contract; returns (B, T, Hk, Hv, Dk, Dv)."""
+def _check_shapes(name, q, k, v, g, beta, state, n=None, v_name="v"):
+    """Validates the shared GDN contract (q, beta may be None: not an argument); returns (B, T, Hk, Hv, Dk, Dv)."""
     if k.ndim != 4:
         raise ValueError(f"{name}: k must be [B, T, Hk, Dk], got shape {k.shape}")
     B, T, Hk, Dk = k.shape
     if q is not None and q.shape != k.shape:
         raise ValueError(f"{name}: q must have k's shape {k.shape} [B, T, Hk, Dk], got shape {q.shape}")
     if v.ndim != 4 or v.shape[:2] != (B, T):
-        raise ValueError(f"{name}: v must be [B={B}, T={T}, Hv, Dv], got shape {v.shape}")
+        raise ValueError(f"{name}: {v_name} must be [B={B}, T={T}, Hv, Dv], got shape {v.shape}")
     Hv, Dv = v.shape[2], v.shape[3]
     if Hv % Hk:
-        raise ValueError(f"{name}: value heads {Hv} (v shape {v.shape}) must be a multiple of key heads "
+        raise ValueError(f"{name}: value heads {Hv} ({v_name} shape {v.shape}) must be a multiple of key heads "
                          f"{Hk} (k shape {k.shape})")
     for arg, x in (("g", g), ("beta", beta)):
-        if x.shape != (B, T, Hv):
+        if x is not None and x.shape != (B, T, Hv):
             raise ValueError(f"{name}: {arg} must be [B, T, Hv] = {(B, T, Hv)}, got shape {x.shape}")
     if state.shape != (B, Hv, Dk, Dv):
         raise ValueError(f"{name}: state must be [B, Hv, Dk, Dv] = {(B, Hv, Dk, Dv)}, "
@@ -378,16 +408,17 @@ def _recurrent_specs(T, Dk, BV, group):
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
 def gdn_verify_pallas(q, k, v, g, beta, state, *, blocks=RecurrentBlocks(), interpret=False):
-    """Pallas kernel for ``gdn_verify_reference`` (same arguments and result)."""
+    """Pallas kernel for ``gdn_verify_reference`` (same arguments and results)."""
     B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_verify", q, k, v, g, beta, state)
     BV = min(blocks.block_v, Dv)
     key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
+    out = jax.ShapeDtypeStruct((B, T, Hv, Dv), jnp.float32)
     return pl.pallas_call(
         _gdn_verify_kernel,
-        out_shape=jax.ShapeDtypeStruct((B, T, Hv, Dv), jnp.float32),
+        out_shape=(out, out),
         grid=(B, Hv, Dv // BV),
         in_specs=[key, key, value, gate, gate, st],
-        out_specs=value,
+        out_specs=(value, value),
         compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="gdn_verify",
@@ -395,9 +426,9 @@ def gdn_verify_pallas(q, k, v, g, beta, state, *, blocks=RecurrentBlocks(), inte
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def gdn_replay_pallas(k, v, g, beta, state, n, *, blocks=RecurrentBlocks(), interpret=False):
+def gdn_replay_pallas(k, u, g, state, n, *, blocks=RecurrentBlocks(), interpret=False):
     """Pallas kernel for ``gdn_replay_reference``; the new state aliases the old one."""
-    B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_replay", None, k, v, g, beta, state, n)
+    B, T, Hk, Hv, Dk, Dv = _check_shapes("gdn_replay", None, k, u, g, None, state, n, v_name="u")
     BV = min(blocks.block_v, Dv)
     key, value, gate, st = _recurrent_specs(T, Dk, BV, Hv // Hk)
     count = pl.BlockSpec((None,), lambda b, h, j: (b,))
@@ -406,13 +437,13 @@ def gdn_replay_pallas(k, v, g, beta, state, n, *, blocks=RecurrentBlocks(), inte
         _gdn_replay_kernel,
         out_shape=jax.ShapeDtypeStruct((B, Hv, Dk, Dv), jnp.float32),
         grid=(B, Hv, Dv // BV),
-        in_specs=[key, value, gate, gate, count, st],
+        in_specs=[key, value, gate, count, st],
         out_specs=st,
-        input_output_aliases={5: 0},
+        input_output_aliases={4: 0},
         compiler_params=triton_params(blocks.num_warps, blocks.num_stages),
         interpret=interpret,
         name="gdn_replay",
-    )(k, v, g.astype(jnp.float32), beta.astype(jnp.float32), n, state.astype(jnp.float32))
+    )(k, u, g.astype(jnp.float32), n, state.astype(jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
@@ -463,27 +494,26 @@ def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
 
 
 def gdn_verify(q, k, v, g, beta, state, *, impl=None):
-    """Verify outputs without a state write; same contract as ``gdn_verify_reference``.
+    """Verify outputs and writes without a state write; same contract as ``gdn_verify_reference``.
 
     The XLA path runs the T tokens as one chunk of the WY form (a few batched matmuls) instead of the
     token scan: inside the fused CPU loop it cut a plain-decoding step ~10% and a DFlash-16 step ~3%
-    (the scan's 16 trips cost more dispatch than their FLOPs). The replay keeps the scan: the commit
-    must be bit-for-bit the state of only the kept tokens, whatever T the block was padded to.
+    (the scan's 16 trips cost more dispatch than their FLOPs).
     """
     mode = dispatch.resolve(impl)
     if mode == "reference":
-        return gdn_chunked_reference(q, k, v, g, beta, state, chunk=g.shape[1])[0]
+        return _chunked(q, k, v, g, beta, state, g.shape[1])[:2]
     run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
-    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), _V, k, v)
+    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), (_V, _V), k, v)
 
 
-def gdn_replay(k, v, g, beta, state, n, *, impl=None):
+def gdn_replay(k, u, g, state, n, *, impl=None):
     """Commit: the state after the first n[b] tokens; same contract as ``gdn_replay_reference``."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
-        return gdn_replay_reference(k, v, g, beta, state, n)
+        return gdn_replay_reference(k, u, g, state, n)
     run = functools.partial(gdn_replay_pallas, interpret=mode == "interpret")
-    return _per_head(run, (k, v, g, beta, state, n), (_QK, _V, _GATE, _GATE, _STATE, ("B",)), _STATE, k, v)
+    return _per_head(run, (k, u, g, state, n), (_QK, _V, _GATE, _STATE, ("B",)), _STATE, k, u)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,7 +536,7 @@ def report_cases() -> list[KernelCase]:
             gate = sds((B, T, Hv), f32)
             state = sds((B, Hv, D, D), f32)
             inputs = 2 * qk.size * 2 + v.size * 2 + 2 * gate.size * 4  # q, k, v, g, beta
-            state_bytes, o_bytes = state.size * 4, v.size * 4
+            state_bytes, o_bytes = state.size * 4, v.size * 4  # o (and u): f32
             tag = f"{model}/b{B}/t{T}"
             if kind == "prefill":
                 cases.append(KernelCase(
@@ -516,9 +546,10 @@ def report_cases() -> list[KernelCase]:
                 continue
             cases.append(KernelCase(
                 f"gdn_verify/{tag}", functools.partial(gdn_verify_pallas, blocks=RecurrentBlocks()),
-                gdn_verify_reference, (qk, qk, v, gate, gate, state), inputs + o_bytes + state_bytes))
+                gdn_verify_reference, (qk, qk, v, gate, gate, state), inputs + 2 * o_bytes + state_bytes))
+            u = sds(v.shape, f32)
             cases.append(KernelCase(
                 f"gdn_replay/{tag}", functools.partial(gdn_replay_pallas, blocks=RecurrentBlocks()),
-                gdn_replay_reference, (qk, v, gate, gate, state, sds((B,), jnp.int32)),
-                inputs - qk.size * 2 + B * 4 + 2 * state_bytes))
+                gdn_replay_reference, (qk, u, gate, state, sds((B,), jnp.int32)),
+                qk.size * 2 + u.size * 4 + gate.size * 4 + B * 4 + 2 * state_bytes))
     return cases

@@ -39,6 +39,11 @@ def make_inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=0):
 
 
 def assert_close(actual, expected):
+    if isinstance(expected, tuple):
+        assert isinstance(actual, tuple) and len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            assert_close(a, e)
+        return
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape and actual.dtype == expected.dtype
     scale = np.abs(expected).max()
@@ -68,13 +73,34 @@ def test_xla_verify_matches_the_token_scan(T, Hk, Hv, Dv, block_v, dtype):
     assert_close(jax.jit(lambda *a: gdn.gdn_verify(*a, impl="reference"))(*args), verify_reference(*args))
 
 
+def _recurrence_state(k, v, g, beta, state, n):
+    """The oracle: row b's state after running the token recurrence on its first n[b] tokens alone."""
+    rows = []
+    for b, nb in enumerate(np.asarray(n)):
+        one = [x[b:b + 1, :nb] for x in (k, v, g, beta)]
+        rows.append(gdn.gdn_recurrent_reference(one[0], *one, state[b:b + 1])[1][0] if nb else state[b])
+    return jnp.stack(rows)
+
+
 @pytest.mark.parametrize("T, Hk, Hv, Dv, block_v, dtype", STEP_CASES)
-def test_replay_matches_reference_with_ragged_n(T, Hk, Hv, Dv, block_v, dtype):
-    _, k, v, g, beta, state = make_inputs(3, T, Hk, Hv, 16, Dv, dtype, seed=T + 1)
+def test_replay_of_the_verify_writes_is_the_recurrence_on_the_kept_tokens(T, Hk, Hv, Dv, block_v, dtype):
+    """Closed-form replay (XLA path and Pallas kernel) against the token recurrence run on only the
+    first n tokens, with ragged n (0, part, all)."""
+    q, k, v, g, beta, state = make_inputs(3, T, Hk, Hv, 16, Dv, dtype, seed=T + 1)
     n = jnp.array([0, T // 2, T], jnp.int32)
+    _, u = verify_reference(q, k, v, g, beta, state)
+    want = _recurrence_state(k, v, g, beta, state, n)
+    assert_close(replay_reference(k, u, g, state, n), want)
     blocks = gdn.RecurrentBlocks(block_v=block_v)
-    new = gdn.gdn_replay_pallas(k, v, g, beta, state, n, blocks=blocks, interpret=INTERPRET)
-    assert_close(new, replay_reference(k, v, g, beta, state, n))
+    assert_close(gdn.gdn_replay_pallas(k, u, g, state, n, blocks=blocks, interpret=INTERPRET), want)
+
+
+def test_replay_keeps_the_state_exactly_when_nothing_is_kept():
+    """n = 0 (a finished row, or every draft rejected before the anchor) changes no bit on the XLA path."""
+    q, k, v, g, beta, state = make_inputs(2, 16, 2, 4, 16, 32, F32, seed=9)
+    _, u = verify_reference(q, k, v, g, beta, state)
+    new = replay_reference(k, u, g, state, jnp.zeros((2,), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(state))
 
 
 def test_dispatch_runs_the_kernels():
@@ -89,15 +115,16 @@ def test_dispatch_runs_the_kernels():
 
 
 def test_replay_commit_is_bit_exact():
-    """n = 0 keeps the state; replaying n of 16 tokens equals replaying just those n tokens."""
-    _, k, v, g, beta, state = make_inputs(3, 16, 2, 4, 16, 32, BF16, seed=7)
+    """The kernel: n = 0 keeps the state; replaying n of 16 tokens equals replaying just those n tokens."""
+    q, k, v, g, beta, state = make_inputs(3, 16, 2, 4, 16, 32, BF16, seed=7)
+    u = verify_reference(q, k, v, g, beta, state)[1]
     n = jnp.array([0, 7, 16], jnp.int32)
     replay = lambda *a: np.asarray(gdn.gdn_replay(*a, impl=MODE))
-    full = replay(k, v, g, beta, state, n)
+    full = replay(k, u, g, state, n)
     np.testing.assert_array_equal(full[0], np.asarray(state[0]))
     for b in (1, 2):
         nb = int(n[b])
-        rows = [x[b:b + 1, :nb] for x in (k, v, g, beta)]
+        rows = [x[b:b + 1, :nb] for x in (k, u, g)]
         alone = replay(*rows, state[b:b + 1], n[b:b + 1])
         np.testing.assert_array_equal(full[b], alone[0])
 
@@ -159,16 +186,16 @@ def test_bad_shapes_raise(arg, shape, match):
         jax.eval_shape(lambda a: gdn.gdn_verify(**a, impl="pallas"), args)
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(lambda a: gdn.gdn_chunked(**a, impl="pallas"), args)
-    if arg != "q":
-        args.pop("q")
+    if arg not in ("q", "beta"):
+        replay = dict(k=args["k"], u=args["v"], g=args["g"], state=args["state"])
         n = jax.ShapeDtypeStruct((1,), jnp.int32)
-        with pytest.raises(ValueError, match=match):
-            jax.eval_shape(lambda a: gdn.gdn_replay(**a, n=n, impl="pallas"), args)
+        with pytest.raises(ValueError, match=match.replace("v must", "u must")):
+            jax.eval_shape(lambda a: gdn.gdn_replay(**a, n=n, impl="pallas"), replay)
 
 
 def test_bad_n_and_head_dim_raise():
     args = _abstract()
-    args.pop("q")
+    args = dict(k=args["k"], u=args["v"], g=args["g"], state=args["state"])
     with pytest.raises(ValueError, match=r"n must be \[B\]"):
         jax.eval_shape(lambda a: gdn.gdn_replay(**a, n=jax.ShapeDtypeStruct((2,), jnp.int32), impl="pallas"),
                        args)

@@ -246,7 +246,7 @@ def _kernels(mesh_shape) -> dict:
     def run(a):
         return (kernels.attention(a["q"], a["k"], a["v"], a["start"], a["start"] + T, impl=MODE),
                 kernels.gdn_verify(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE),
-                kernels.gdn_replay(a["gk"], a["gv"], a["g"], a["beta"], a["state"], a["n"], impl=MODE),
+                kernels.gdn_replay(a["gk"], a["gv"], a["g"], a["state"], a["n"], impl=MODE),
                 kernels.gdn_chunked(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE))
 
     want = jax.jit(run)(args)
