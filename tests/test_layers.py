@@ -75,7 +75,8 @@ def test_gdn_channels_round_trip_and_leave_other_tensors_alone():
         gdn_channels(GDN, QKV, w[:5])
 
 
-def test_gdn_layer_on_hf_weights_matches_a_q_k_v_reference():
+@pytest.mark.parametrize("speculative", [False, True])  # the two forms of the causal conv
+def test_gdn_layer_on_hf_weights_matches_a_q_k_v_reference(speculative):
     """The layer given HF-ordered weights through ``gdn_channels`` (as the loader does) against the
     checkpoint's own layout read the plain way: channels q | k | v, conv, SiLU, q/k L2 norm."""
     rng = np.random.default_rng(4)
@@ -89,7 +90,8 @@ def test_gdn_layer_on_hf_weights_matches_a_q_k_v_reference():
     layer = GatedDeltaNet(GDN, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
     layer.in_proj_qkv.weight.set_value(jnp.asarray(gdn_channels(GDN, QKV, w_qkv)))
     layer.conv1d.weight.set_value(jnp.asarray(gdn_channels(GDN, CONV, w_conv)))
-    q, k, v, _, _, _, mixed = layer._prepare(jnp.asarray(x), jnp.asarray(window[..., gdn_channel_order(GDN)]))
+    q, k, v, _, _, _, mixed = layer._prepare(jnp.asarray(x), jnp.asarray(window[..., gdn_channel_order(GDN)]),
+                                            speculative=speculative)
 
     ref_mixed = x @ w_qkv.T  # [B, T, C]
     full = np.concatenate([window, ref_mixed], axis=1)
