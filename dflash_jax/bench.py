@@ -17,7 +17,9 @@ loop's own ``step`` produces, each phase updating its state in place as the fuse
 output with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so
 tau is fixed and only kernel and loop cost differ. Beside each step time, its floor: one program running
 exactly the step's matmuls at their own shapes, each weight a distinct buffer of its real size
-(``roofline.measured_step_seconds``); beside each speed-up, the ceiling those floors allow at the
+(``roofline.step_floor_timer``), one window timed right after each timed run, so that each step time is
+divided by a floor measured beside it (the machine's speed drifts by tens of % between minutes here);
+beside each speed-up, the ceiling those floors allow at the
 measured tau (``roofline.measured_ceiling``).
 
 Outputs: a table on stdout, ``bench.json`` (settings, machine, versions, every number), then PNG plots.
@@ -146,13 +148,16 @@ class Timing:
     prefill_s: list[float] = dataclasses.field(default_factory=list)  # per repeat, summed over batches
     decode_s: list[float] = dataclasses.field(default_factory=list)
     outputs: list = dataclasses.field(default_factory=list)  # the last repeat's GenerateOutput per batch
+    # With ``measure(floors=...)``, per timed run: (its decode seconds, its output, the floor window right after)
+    paired: list[tuple[float, object, float]] = dataclasses.field(default_factory=list)
 
     @property
     def compile_s(self) -> float:
         return max(self.first_s - self.warm_s, 0.0)
 
 
-def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, progress=None) -> dict:
+def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, progress=None,
+            floors: dict | None = None) -> dict:
     """Times ``runs[name](batch, clock) -> (out, prefill_s, decode_s)`` warm, interleaved, repeated.
 
     Each run waits on its results. A method's first run (it compiles) and the warm run after it are
@@ -161,6 +166,9 @@ def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, 
     measured warm, never right after another method has evicted it from the caches; the order of
     methods alternates between batches and repeats (A B | B A | A B ...), so the runs paired by
     ``speedups`` sit next to each other in time and a busy machine's slow spells hit both alike.
+    ``floors[name]()`` (seconds of one window of the method's floor program), where given, runs right
+    after each timed run of that method, so each step time has a floor measured next to it
+    (``Timing.paired``); it runs after the clock is read, so no timed run contains it.
     Returns ``{name: Timing}``.
     """
     names = list(runs)
@@ -178,6 +186,8 @@ def measure(runs: dict, batches: int, repeats: int, *, clock=time.perf_counter, 
                 if n != last:
                     runs[n](b, clock)  # untimed: this method warm right before its timed run
                 out, prefill_s, decode_s = runs[n](b, clock)
+                if floors and n in floors:
+                    timing[n].paired.append((decode_s, out, floors[n]()))
                 last = n
                 sums[n][0] += prefill_s
                 sums[n][1] += decode_s
@@ -396,8 +406,11 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             progress.set_postfix_str(f"{workload} c={conc} repeat {r + 1} batch {b + 1} {m.name}")
             progress.update(1)
 
+        context = bucket + args.max_new_tokens // 2
+        floors = {m: floor_timer(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
+                                 context=context, dtype=args.dtype) for m in methods if m.kind != "mtp"}
         timing = measure({m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in methods},
-                         len(padded), args.repeats, progress=show)
+                         len(padded), args.repeats, progress=show, floors=floors)
         phase = {}
         for m in methods:
             phase[m] = np.zeros(3), 0
@@ -421,8 +434,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
             iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
             loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
-            floor_ms = step_floor_ms(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
-                                     context=bucket + args.max_new_tokens // 2, dtype=args.dtype)
+            floor_ms, floor_x = paired_floor(t.paired)
             results.append(dict(
                 workload=workload, concurrency=conc, method=m.name, kind=m.kind, block=m.block,
                 prompts=len(prompts), rows=rows, prompt_bucket=bucket, repeats=args.repeats, tokens=n,
@@ -433,7 +445,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                                                                                      strict=True)), 2),
                 e2e_speedup=ratio["e2e"]["median"], e2e_speedup_spread=ratio["e2e"],
                 ceiling=ceiling(m, target.cfg, None if drafter is None else drafter.cfg, tau=tau, batch=conc,
-                                context=bucket + args.max_new_tokens // 2, dtype=args.dtype),
+                                context=context, dtype=args.dtype),
                 tau=round(tau, 4), tau_rows=[round(x, 4) for x in tau_rows],
                 steps=sum(int(np.asarray(o.steps).sum()) for o in t.outputs),
                 tau_hist={str(i + 1): int(c) for i, c in enumerate(hist)},
@@ -442,21 +454,27 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                                  strict=True)),
                 profiled_steps=n_steps, loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
                 floor_ms=None if floor_ms is None else round(floor_ms, 4),
-                floor_x=None if floor_ms is None else round(loop_ms / floor_ms, 3),
+                floor_x=None if floor_x is None else round(floor_x, 3),
                 compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
                 matches_ar=all(same) if sampling.greedy else None, mismatched_rows=len(same) - sum(same),
                 simulated=simulate is not None and m.kind != "ar"))
     return results
 
 
-def step_floor_ms(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
-    """The step's floor on this machine in ms: its matmuls timed as one program at their own shapes
-    (``roofline.measured_step_seconds``); None for MTP (its sequential head is not modelled)."""
-    if method.kind == "mtp":
-        return None
-    return 1e3 * roofline.measured_step_seconds(target_cfg, drafter_cfg if method.kind == "dflash" else None,
-                                                block=method.block, batch=batch, context=context,
-                                                dtype=jnp.dtype(dtype))
+def floor_timer(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
+    """One window of the step's floor on this machine (seconds per run): its matmuls timed as one program
+    at their own shapes (``roofline.step_floor_timer``); not for MTP (its sequential head is not modelled)."""
+    return roofline.step_floor_timer(target_cfg, drafter_cfg if method.kind == "dflash" else None,
+                                     block=method.block, batch=batch, context=context, dtype=jnp.dtype(dtype))
+
+
+def paired_floor(paired) -> tuple[float | None, float | None]:
+    """(median floor ms, median step / floor) of ``Timing.paired``: each run's seconds per while-loop
+    iteration (its rows' most steps) over the floor window timed right after it; (None, None) if empty."""
+    if not paired:
+        return None, None
+    ratios = [decode_s / max(int(np.asarray(out.steps).max()), 1) / floor for decode_s, out, floor in paired]
+    return statistics.median(f for _, _, f in paired) * 1e3, statistics.median(ratios)
 
 
 # The issue's goals for the step on the XLA path: (what, how it is computed, limit, <= or >=).
@@ -581,8 +599,9 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
           "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "
           "step as it runs); floor_ms: the median time of one program running exactly the step's matmuls at "
-          "their own shapes, each weight a distinct buffer of its real size (roofline.measured_step_seconds); "
-          "floor_x: their ratio. tau: mean over rows of tokens committed "
+          "their own shapes, each weight a distinct buffer of its real size (roofline.step_floor_timer), one "
+          "window right after each timed run; floor_x: the median over timed runs of the run's step time over "
+          "the floor timed next to it. tau: mean over rows of tokens committed "
           "per target step.")
 
 

@@ -7,11 +7,11 @@ the configs, never on parameters or caches, so it works at any shape (a 27B conf
 
 Two floors. At a device's published peaks a step's time is bounded below by ``max(flops / F,
 bytes / BW)``: F the matmul rate, BW the memory bandwidth (``Machine``, ``ceiling``; the projections
-in ``perf_model``). On this process's own device the floor is measured (``measured_step_seconds``):
+in ``perf_model``). On this process's own device the floor is measured (``step_floor_timer``):
 one jitted program runs exactly the step's matmuls (``Cost.matmuls``, at their own row counts, each
-weight a distinct buffer of its real size, so weights stream from memory as the step's do), and its
-median warm time is the floor the bench divides the loop's step time by; ``measured_ceiling`` times
-the plain and the DFlash step's programs in adjacent pairs. ``step_cost`` counts, per step of
+weight a distinct buffer of its real size, so weights stream from memory as the step's do); its warm
+time, one window right after each timed run, is the floor the bench divides that run's step by;
+``measured_ceiling`` times the plain and the DFlash step's programs in adjacent pairs. ``step_cost`` counts, per step of
 ``batch`` rows:
 
 * FLOPs: 2 x rows x the linear weights each token meets (every matmul: projections, MLP or the k routed
@@ -141,16 +141,6 @@ def _timer(matmuls: tuple[Matmul, ...], dtype: str, window_s: float):
         return (time.perf_counter() - start) / n
 
     return window
-
-
-@functools.lru_cache(maxsize=64)
-def program_seconds(matmuls: tuple[Matmul, ...], dtype: str = "float32", repeats: int = 5,
-                    window_s: float = 0.05) -> float:
-    """Seconds per run of ``matmul_program`` on this process's default device, timed as the bench times
-    the decode loop (runs back to back in one program): the median of ``repeats`` windows (cached per
-    arguments; the buffers are freed on return)."""
-    window = _timer(matmuls, dtype, window_s)
-    return statistics.median(window() for _ in range(repeats))
 
 
 @functools.lru_cache(maxsize=64)
@@ -295,7 +285,7 @@ def tokens_per_second(machine: Machine, target: TargetConfig, drafter: DrafterCo
 def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, tau: float,
                      batch: int = 1, context: int = 0, dtype=jnp.float32) -> float:
     """``tau x floor(plain step) / floor(step at block)`` on this process's device: the floors' programs
-    (``measured_step_seconds``) timed in adjacent pairs (``program_ratio``); what the CLI and the bench
+    (``step_floor_timer``) timed in adjacent pairs (``program_ratio``); what the CLI and the bench
     print beside a speed-up."""
     plain = step_cost(target, None, block=1, batch=batch, context=context, dtype=dtype)
     spec = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
@@ -304,13 +294,15 @@ def measured_ceiling(target: TargetConfig, drafter: DrafterConfig | None, *, blo
     return tau / max(program_ratio(spec.matmuls, plain.matmuls, jnp.dtype(dtype).name), 1.0)
 
 
-def measured_step_seconds(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,
-                          context: int = 0, dtype=jnp.float32) -> float:
-    """A step's floor on this process's device: the median time of one program running exactly the
-    step's matmuls (``step_cost(...).matmuls``, ``program_seconds``); the bench prints step time over it.
+def step_floor_timer(target: TargetConfig, drafter: DrafterConfig | None, *, block: int, batch: int = 1,
+                     context: int = 0, dtype=jnp.float32, window_s: float = 0.05):
+    """A step's floor on this process's device: a function timing one window of one program running exactly
+    the step's matmuls (``step_cost(...).matmuls``, ``matmul_program``; compiled and warmed here), returning
+    seconds per run, for timing the floor right beside the step it bounds (the bench divides each step
+    time by the window after it).
 
     Left out, as in the FLOP count: norms, activations, RoPE, the GDN recurrence, the K/V and state
     writes, the acceptance rule and the loop's control.
     """
     cost = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
-    return program_seconds(cost.matmuls, jnp.dtype(dtype).name)
+    return _timer(cost.matmuls, jnp.dtype(dtype).name, window_s)

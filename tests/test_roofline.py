@@ -126,10 +126,9 @@ def test_program_runs_exactly_the_listed_matmuls():
     assert all(bool(jnp.allclose(o, 1.0)) for o in outs)  # ones @ (1 / d_in): no overflow along the chain
 
 
-def test_program_seconds_is_cached_and_sane():
-    matmuls = (roofline.Matmul(4, 256, 512), roofline.Matmul(4, 512, 256))
-    s = roofline.program_seconds(matmuls, "float32", repeats=3)
-    assert s is roofline.program_seconds(matmuls, "float32", repeats=3)
+def test_floor_timer_and_ceiling_are_sane():
+    window = roofline.step_floor_timer(HYBRID, None, block=1, context=10, window_s=0.01)
+    s = window()
     assert 0 < s < 10 and math.isfinite(s)
     c = roofline.measured_ceiling(HYBRID, DRAFT, block=4, tau=3.0, context=10)
     assert 0 < c and math.isfinite(c)
@@ -159,10 +158,9 @@ def test_step_matmuls_are_the_modules_shapes():
 
 @pytest.fixture
 def fake_timer(monkeypatch):
-    """``install(seconds)``: every program's window takes ``seconds(matmuls)``; the floors' caches are
+    """``install(seconds)``: every program's window takes ``seconds(matmuls)``; the ratios' cache is
     emptied on install and afterwards, so no fake figure outlives the test."""
     def clear():
-        roofline.program_seconds.cache_clear()
         roofline.program_ratio.cache_clear()
 
     def install(seconds):
@@ -184,7 +182,7 @@ def test_measured_ceiling_on_hand_counted_flops(fake_timer):
     draft = (2 * 4 * 64 * 64 + 2 * 4 * 64 * 64 + 2 * 4 * 64 * 128 + 2 * 4 * 64 * 64 + 2 * 2 * (4 * 2 * 32 * 14)
              + 2 * 4 * 64 * 384 + 2 * 3 * 64 * 256)
     assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).flops == verify + draft
-    assert roofline.measured_step_seconds(HAND, None, block=1, context=10) == pytest.approx(plain * 1e-9)
+    assert roofline.step_floor_timer(HAND, None, block=1, context=10)() == pytest.approx(plain * 1e-9)
     got = roofline.measured_ceiling(HAND, HAND_DRAFT, block=4, tau=3.0, context=10)
     assert got == pytest.approx(3.0 * plain / (verify + draft))  # 0.63x: the block costs 4.7 plain steps
     # a timing of the block's program below the one-token program's (a busy machine) cannot make a block cheaper
