@@ -342,8 +342,8 @@ def timed_phases(loop: SpeculativeLoop, params, state, clock=time.perf_counter) 
     return np.asarray([t1 - t0, t2 - t1, clock() - t2])
 
 
-def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf_counter) -> tuple[np.ndarray, int]:
-    """Seconds in [draft, verify, commit] over the loop's steps (``timed_phases``), and steps.
+def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf_counter) -> np.ndarray:
+    """Seconds in [draft, verify, commit] of each of the loop's steps (``timed_phases``): [steps, 3].
 
     The state advances through the loop's own ``step`` (untimed), so the phases see exactly the
     states the on-device loop sees; the phases run once untimed first (their compilation).
@@ -352,12 +352,11 @@ def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf
     with warnings.catch_warnings():  # settle's donated logits and GDN inputs have no output to reuse: freed
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         timed_phases(loop, params, s, clock)  # untimed: each phase is its own program, compiled on its first call
-    total, steps = np.zeros(3), 0
+    steps = []
     while (np.asarray(s.finish) == FinishReason.RUNNING).any():
-        total += timed_phases(loop, params, s, clock)
-        steps += 1
+        steps.append(timed_phases(loop, params, s, clock))
         s = loop.step(params, s)
-    return total, steps
+    return np.asarray(steps).reshape(-1, 3)
 
 
 def _batches(n_prompts: int, concurrency: int) -> list[list[int]]:
@@ -411,12 +410,11 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                                  context=context, dtype=args.dtype) for m in methods if m.kind != "mtp"}
         timing = measure({m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in methods},
                          len(padded), args.repeats, progress=show, floors=floors)
-        phase = {}
+        phase = {}  # [steps, 3] per method: each profiled step's draft / verify / commit seconds
         for m in methods:
-            phase[m] = np.zeros(3), 0
-            for b in range(min(args.profile_batches, len(padded))):
-                secs, n = profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
-                phase[m] = phase[m][0] + secs, phase[m][1] + n
+            phase[m] = np.concatenate([np.zeros((0, 3))] + [
+                profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
+                for b in range(min(args.profile_batches, len(padded)))])
         ar = timing[runtime.AR]
         rows = sum(len(b) for b in batches)
         n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
@@ -430,7 +428,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             same = [x == a for x, a in zip(texts, ar_texts, strict=True)]
             ratio = speedups(t, ar, n, n_ar, rows)
             tau = float(np.mean(tau_rows))
-            secs, n_steps = phase[m]
+            per_step = np.median(phase[m], axis=0) if len(phase[m]) else np.zeros(3)  # robust to slow spells
             # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
             iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
             loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
@@ -450,9 +448,9 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 steps=sum(int(np.asarray(o.steps).sum()) for o in t.outputs),
                 tau_hist={str(i + 1): int(c) for i, c in enumerate(hist)},
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
-                step_ms=dict(zip(("draft", "verify", "commit"), (secs / max(n_steps, 1) * 1e3).round(4).tolist(),
+                step_ms=dict(zip(("draft", "verify", "commit"), (per_step * 1e3).round(4).tolist(),
                                  strict=True)),
-                profiled_steps=n_steps, loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
+                profiled_steps=len(phase[m]), loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
                 floor_ms=None if floor_ms is None else round(floor_ms, 4),
                 floor_x=None if floor_x is None else round(floor_x, 3),
                 compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
@@ -596,8 +594,9 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "methods alternate order (A B | B A); speedup_spread.ci: the median's 95% interval; compile_s (first "
           "run less a warm run) is excluded. ceiling: the "
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
-          "per-step draft / verify / accept+commit from the loop's public phases timed one by one, over the "
-          "first profile_batches batches. loop_step_ms: median decode seconds / while-loop iterations (the fused "
+          "per-step draft / verify / accept+commit from the loop's public phases timed one by one, the median "
+          "step of the first profile_batches batches. loop_step_ms: median decode seconds / while-loop "
+          "iterations (the fused "
           "step as it runs); floor_ms: the median time of one program running exactly the step's matmuls at "
           "their own shapes, each weight a distinct buffer of its real size (roofline.step_floor_timer), one "
           "window right after each timed run; floor_x: the median over timed runs of the run's step time over "
