@@ -233,6 +233,12 @@ def speedups(timing: Timing, base: Timing, tokens: int, base_tokens: int, rows: 
     return dict(decode=spread(dec), e2e=spread(e2e))
 
 
+def mean_context(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The tokens a row's attention reads per step, averaged over the rows and the decode: its real prompt
+    (not the padded bucket) and half the new tokens. The floors and ceilings use it."""
+    return round(statistics.mean(len(p) for p in prompts) + max_new_tokens / 2)
+
+
 def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batch: int, context: int, dtype: str):
     """The speed-up this machine allows at ``tau`` (``roofline.measured_ceiling``); None where it has no model.
 
@@ -266,7 +272,7 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
     n_m, n_a = (int(np.asarray(t.outputs[0].lengths).sum()) for t in (m_t, a_t))
     tau = float(np.mean(np.asarray(m_t.outputs[0].tau)))
     ratio = speedups(m_t, a_t, n_m, n_a, rows)
-    context = tokens.shape[1] + max_new_tokens // 2
+    context = mean_context(prompts, max_new_tokens)
     return dict(
         method=method.name, baseline="ar", repeats=repeats, rows=rows, tau=round(tau, 4),
         tokens=n_m, baseline_tokens=n_a,
@@ -405,7 +411,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             progress.set_postfix_str(f"{workload} c={conc} repeat {r + 1} batch {b + 1} {m.name}")
             progress.update(1)
 
-        context = bucket + args.max_new_tokens // 2
+        context = mean_context(prompts, args.max_new_tokens)
         floors = {m: floor_timer(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
                                  context=context, dtype=args.dtype) for m in methods if m.kind != "mtp"}
         timing = measure({m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in methods},

@@ -15,13 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
+from dflash_jax.kernels.attention import cache_shapes
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionCache:
-    k: jax.Array  # [B, S, K, H]
-    v: jax.Array  # [B, S, K, H]
+    k: jax.Array  # [B, K, S, H]
+    v: jax.Array  # [B, K, H, S] (``kernels.cache_shapes``: each as attention's product reads it)
 
 
 @jax.tree_util.register_dataclass
@@ -57,8 +58,8 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCac
     layers = []
     for kind in cfg.layer_types:
         if kind == "full_attention":
-            shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-            layers.append(AttentionCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)))
+            shapes = cache_shapes(batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
+            layers.append(AttentionCache(*(jnp.zeros(shape, dtype) for shape in shapes)))
         else:
             layers.append(GDNCache(
                 conv=jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),

@@ -26,7 +26,7 @@ from flax import nnx
 from dflash_jax import atomic, checkpoint, kernels
 from dflash_jax.config import DEFAULT_THETA, ConfigError, Fields, TargetConfig, parsing, read_config_json, rope_scaling
 from dflash_jax.kernels import dispatch
-from dflash_jax.layers import MLP, Linear, RMSNorm, SplitModel, write_rows
+from dflash_jax.layers import MLP, Linear, RMSNorm, SplitModel
 from dflash_jax.rope import RopeScaling, rope
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -286,7 +286,8 @@ class DrafterAttention(nnx.Module):
 
         Args:
           h: [B, T, D] normed block inputs at positions start[b] + t.
-          k_cache, v_cache: [B, S, K, H] holding the context K/V in rows [0, start[b]).
+          k_cache, v_cache: [B, K, S, H] / [B, K, H, S] (``kernels.cache_shapes``) holding the context K/V at
+            positions [0, start[b]).
           start: [B] int32 committed context length (the block's first position).
         Returns:
           (output [B, T, D], the caches with the block's K/V written into rows [start, start + T)).
@@ -299,8 +300,7 @@ class DrafterAttention(nnx.Module):
         q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H, scaling=cfg.rope_scaling)
         k, v = self.kv(h, positions)
         # The block sits right behind the committed context, so one kernel call covers [context ; block].
-        k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)
+        k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
         o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=causal, window=window, impl=self.kernels)
         return self.o_proj(o.reshape(B, T, N * H)), k_cache, v_cache
 
@@ -345,16 +345,16 @@ class DFlashDrafter(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DraftCache:
-    k: tuple[jax.Array, ...]  # per drafter layer [B, S, K, H]
-    v: tuple[jax.Array, ...]  # per drafter layer [B, S, K, H]
+    k: tuple[jax.Array, ...]  # per drafter layer [B, K, S, H]
+    v: tuple[jax.Array, ...]  # per drafter layer [B, K, H, S] (``kernels.cache_shapes``)
     lengths: jax.Array  # [B] int32 committed context tokens per row
 
 
 def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> DraftCache:
     """An empty cache. Capacity must cover the longest context plus one block (its rows are written)."""
-    shape = (batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-    zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    return DraftCache(k=zeros, v=zeros, lengths=jnp.zeros((batch,), jnp.int32))
+    k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+            for shape in kernels.cache_shapes(batch, capacity, cfg.num_key_value_heads, cfg.head_dim))
+    return DraftCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) -> DraftCache:
@@ -370,9 +370,9 @@ def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) ->
     positions = _positions(cache.lengths, T)
     ks, vs = [], []
     for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
-        k, v = layer.self_attn.kv(c, positions)
-        ks.append(write_rows(kc, k.astype(kc.dtype), cache.lengths))
-        vs.append(write_rows(vc, v.astype(vc.dtype), cache.lengths))
+        kc, vc = kernels.write_cache(kc, vc, *layer.self_attn.kv(c, positions), cache.lengths)
+        ks.append(kc)
+        vs.append(vc)
     return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
 
 

@@ -89,11 +89,6 @@ class GatedRMSNorm(nnx.Module):
         return (h * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
 
 
-def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """Writes new[b] ([T, ...]) into cache[b] ([S, ...]) at row start[b], per row."""
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))(cache, new, start)
-
-
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
@@ -185,7 +180,8 @@ class GatedAttention(nnx.Module):
         """Attends T new tokens at positions start[b] + t over the cache, writing their K/V first.
 
         Args:
-          x: [B, T, D]; k_cache, v_cache: [B, S, K, H]; start: [B] int32 (tokens already cached).
+          x: [B, T, D]; k_cache [B, K, S, H], v_cache [B, K, H, S] (``kernels.cache_shapes``); start: [B]
+            int32 (tokens already cached).
         Returns:
           ([B, T, D], k_cache, v_cache) with rows [start, start + T) written.
         """
@@ -201,8 +197,7 @@ class GatedAttention(nnx.Module):
         k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
                  scaling=cfg.rope_scaling)
         v = self.v_proj(x).reshape(B, T, K, H)
-        k_cache = write_rows(k_cache, k.astype(k_cache.dtype), start)
-        v_cache = write_rows(v_cache, v.astype(v_cache.dtype), start)
+        k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
         o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=True, impl=self.kernels)
         o = o.reshape(B, T, N * H) * jax.nn.sigmoid(gate)
         return self.o_proj(o), k_cache, v_cache

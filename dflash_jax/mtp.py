@@ -23,6 +23,7 @@ from dflash_jax import sharding
 from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
+from dflash_jax.kernels.attention import cache_shapes
 from dflash_jax.proposers import TargetView
 from dflash_jax.sampling import SamplingConfig, draft_tokens
 from dflash_jax.target import MTP, Target, TargetOutput
@@ -38,7 +39,8 @@ def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start
       mtp: the target's ``MTP`` head; view: the target's embedding and LM head.
       tokens: [B, T] int32, the token after each hidden state's position.
       hidden: [B, T, D] target final-normed hidden states (or the head's own output, when drafting).
-      k_cache, v_cache: [B, S, K, H] the head's cache; start: [B] int32 entries already cached.
+      k_cache, v_cache: the head's cache ([B, K, S, H] / [B, K, H, S]: ``kernels.cache_shapes``); start: [B]
+        int32 entries already cached.
     Returns:
       (out [B, T, D] after ``mtp.norm``, k_cache, v_cache) with rows [start, start + T) written.
     """
@@ -62,8 +64,8 @@ class MTPState:
     propose writes them with the anchor in place of the token at ``count - 1``.
     """
 
-    k: jax.Array  # [B, S, K, H]
-    v: jax.Array  # [B, S, K, H]
+    k: jax.Array  # [B, K, S, H]
+    v: jax.Array  # [B, K, H, S] (``kernels.cache_shapes``)
     length: jax.Array  # [B] int32 entries written (positions 0 .. length - 1)
     tokens: jax.Array  # [B, W] int32: pending entry j pairs with tokens[j] (the drafts of the last propose)
     hidden: jax.Array  # [B, W, D] pending target hidden states at positions length .. length + count - 1
@@ -126,10 +128,11 @@ class MTPProposer:
         """
         mtp = self.head(params)
         cfg, B = self.cfg, prompt_lens.shape[0]
-        kv = jnp.zeros((B, capacity, cfg.num_key_value_heads, cfg.head_dim), prefill.hidden.dtype)
+        kc, vc = (jnp.zeros(shape, prefill.hidden.dtype)
+                  for shape in cache_shapes(B, capacity, cfg.num_key_value_heads, cfg.head_dim))
         # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.
         shifted = jnp.pad(jnp.asarray(prompts, jnp.int32)[:, 1:], ((0, 0), (0, 1)))
-        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kv, kv, jnp.zeros((B,), jnp.int32))
+        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kc, vc, jnp.zeros((B,), jnp.int32))
         last = jnp.take_along_axis(prefill.hidden, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, D]
         W = self.max_block
         return MTPState(k=k, v=v, length=(prompt_lens - 1).astype(jnp.int32),

@@ -95,12 +95,12 @@ PARAMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
 # mtp.py's MTPState) so that this module sits below every model module in the import graph. Fields not
 # listed hold per-row values and follow the default rule of ``state_shardings``.
 CACHES: dict[str, dict[str, tuple[str | None, ...]]] = {
-    "AttentionCache": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
+    "AttentionCache": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None)},
     "GDNCache": {"conv": ("batch", None, "gdn_channels"), "state": ("batch", "v_heads", None, None)},
     "GDNPending": {"mixed": ("batch", None, "gdn_channels"), "k": ("batch", None, "k_heads", None),
                    "u": ("batch", None, "v_heads", None), "g": ("batch", None, "v_heads")},
-    "MTPState": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
-    "DraftCache": {"k": ("batch", None, "kv_heads", None), "v": ("batch", None, "kv_heads", None)},
+    "MTPState": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None)},
+    "DraftCache": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None)},
 }
 _DRAFT_CACHES = ("DraftCache",)  # laid out by the drafter's heads, not the target's
 

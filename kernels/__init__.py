@@ -6,7 +6,14 @@ kernels through the Pallas interpreter, to check them on a CPU). Models carry th
 (``dispatch``).
 """
 
-from dflash_jax.kernels.attention import AttentionBlocks, attention, attention_pallas, attention_reference
+from dflash_jax.kernels.attention import (
+    AttentionBlocks,
+    attention,
+    attention_pallas,
+    attention_reference,
+    cache_shapes,
+    write_cache,
+)
 from dflash_jax.kernels.dispatch import MODES, default_mode, resolve
 from dflash_jax.kernels.gdn import (
     ChunkedBlocks,
@@ -33,8 +40,8 @@ from dflash_jax.kernels.mxfp4 import (
 
 __all__ = [
     "MODES", "AttentionBlocks", "ChunkedBlocks", "GroupedBlocks", "Mxfp4Blocks", "RecurrentBlocks", "attention",
-    "attention_pallas", "attention_reference", "default_mode", "dequantize_mxfp4", "gdn_chunked", "gdn_chunked_pallas",
+    "attention_pallas", "attention_reference", "cache_shapes", "default_mode", "dequantize_mxfp4", "gdn_chunked", "gdn_chunked_pallas",
     "gdn_chunked_reference", "gdn_recurrent_reference", "gdn_replay", "gdn_replay_pallas", "gdn_replay_reference",
     "gdn_verify", "gdn_verify_pallas", "gdn_verify_reference", "grouped_matmul", "grouped_matmul_pallas",
-    "grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference", "quantize_mxfp4", "resolve",
+    "grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference", "quantize_mxfp4", "resolve", "write_cache",
 ]

@@ -4,7 +4,11 @@ Where it sits: the target's gated full-attention layers (verify and decode) and 
 attention layers call ``attention`` after RoPE and after writing the new K/V into the cache.
 
 One contract serves both hot paths. The cache holds K/V for positions ``[0, kv_len)`` per row,
-the new queries sit at positions ``q_start + t``. The target's verify is ``causal=True``; the
+the new queries sit at positions ``q_start + t``. The cache layout (``cache_shapes``, ``write_cache``) is K
+[B, K, S, H] and V [B, K, H, S]: each stored as its product reads it, contracting over the minor dimension
+(scores q k^T over H, outputs p V over S), so XLA's dots take the caches as they are (with [B, S, K, H]
+the CPU path copied both caches into those layouts on every call, ~1/4 of an attention layer's time at
+656 rows), and one KV head's keys or values are one contiguous block for the kernel. The target's verify is ``causal=True``; the
 DFlash drafter's block is ``causal=False`` (its block K/V were written behind the context), with
 ``window`` for its sliding-attention layers. GQA maps query head n to KV head n // (N // K), so
 non-power-of-two groups (6 for Qwen3.5-27B) work. Softmax runs in f32.
@@ -40,12 +44,25 @@ from dflash_jax.kernels.common import KernelCase, triton_params
 _NEG = -1e30
 
 
+def cache_shapes(batch: int, capacity: int, kv_heads: int, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes of a K and a V cache of ``capacity`` positions: [B, K, S, H] and [B, K, H, S]."""
+    return (batch, kv_heads, capacity, head_dim), (batch, kv_heads, head_dim, capacity)
+
+
+def write_cache(k_cache, v_cache, k, v, start):
+    """The caches with k, v [B, T, K, H] written at positions start[b] + t of row b (per-row offsets)."""
+    def put(cache, new, s, axis):
+        return jax.vmap(lambda c, n, s: lax.dynamic_update_slice_in_dim(c, n, s, axis=axis))(cache, new, s)
+    return (put(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), start, 1),  # [B, K, T, H] at S
+            put(v_cache, v.transpose(0, 2, 3, 1).astype(v_cache.dtype), start, 2))  # [B, K, H, T] at S
+
+
 def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None):
     """Plain-jnp attention; the oracle for the kernel.
 
     Args:
       q: [B, T, N, H] queries at positions q_start[b] + t.
-      k, v: [B, S, K, H] cache; keys at positions >= kv_len[b] are ignored.
+      k: [B, K, S, H], v: [B, K, H, S] cache (``cache_shapes``); keys at positions >= kv_len[b] are ignored.
       q_start: [B] int32 position of each row's first query.
       kv_len: [B] int32 number of valid cache positions per row.
       causal: mask keys after each query's position.
@@ -55,10 +72,10 @@ def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, s
       [B, T, N, H] in q's dtype.
     """
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K, S = k.shape[1], k.shape[2]
     scale = H**-0.5 if scale is None else scale
     qg = q.reshape(B, T, K, N // K, H)
-    s = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.einsum("btkgh,bksh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
     kpos = jnp.arange(S)[None, None, :]  # [1, 1, S]
     qpos = (q_start[:, None] + jnp.arange(T)[None, :])[:, :, None]  # [B, T, 1]
     mask = kpos < kv_len[:, None, None]
@@ -68,7 +85,7 @@ def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, s
         mask = mask & (kpos > qpos - window)
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    o = jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=jnp.float32)
+    o = jnp.einsum("bkgts,bkhs->btkgh", p, v, preferred_element_type=jnp.float32)
     return o.reshape(B, T, N, H).astype(q.dtype)
 
 
@@ -119,7 +136,7 @@ def _attention_kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *out_refs,
     """One (row b, KV head, split) program.
 
     q_start_ref, kv_len_ref: [1] int32 of row b. q_ref: [M, H], row r = t * group + g (rows past
-    T * group are padding). k_ref, v_ref: [S, H], the whole cache of this row and KV head; blocks
+    T * group are padding). k_ref [S, H], v_ref [H, S]: the whole cache of this row and KV head; blocks
     are loaded with a key mask, so S need not be a multiple of block_k and nothing past kv_len
     (possibly uninitialised, even NaN) is ever read. out_refs: o [M, H] when k_splits == 1, else
     acc [M, H] f32, m [M] f32, l [M] f32 (unnormalised partials for the combine).
@@ -145,11 +162,12 @@ def _attention_kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *out_refs,
         m, l, acc = carry  # [M], [M], [M, H] f32
         start = blk * block_k
         kpos = start + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, bk]
-        load_mask = jnp.broadcast_to((kpos < kv_len).reshape(block_k, 1), (block_k, H))
-        kb = pltriton.load(k_ref.at[pl.ds(start, block_k), :], mask=load_mask, other=0)  # [bk, H]
+        valid = kpos < kv_len  # [1, bk]
+        kb = pltriton.load(k_ref.at[pl.ds(start, block_k), :], other=0,
+                           mask=jnp.broadcast_to(valid.reshape(block_k, 1), (block_k, H)))  # [bk, H]
         s = lax.dot_general(q, kb, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * scale  # [M, bk]
-        mask = kpos < kv_len
+        mask = valid
         if causal:
             mask = mask & (kpos <= qpos)
         if window is not None:
@@ -158,8 +176,9 @@ def _attention_kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *out_refs,
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
-        vb = pltriton.load(v_ref.at[pl.ds(start, block_k), :], mask=load_mask, other=0)  # [bk, H]
-        pv = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (0,)), ((), ())), precision=precision,
+        vb = pltriton.load(v_ref.at[:, pl.ds(start, block_k)], mask=jnp.broadcast_to(valid, (H, block_k)),
+                           other=0)  # [H, bk]
+        pv = lax.dot_general(p.astype(vb.dtype), vb, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)  # [M, H]
         return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
 
@@ -181,11 +200,12 @@ def _check_shapes(q, k, v, q_start, kv_len):
         raise ValueError(f"attention: q must be [B, T, N, H], got shape {q.shape}")
     B, T, N, H = q.shape
     if k.ndim != 4 or k.shape[0] != B or k.shape[3] != H:
-        raise ValueError(f"attention: k must be [B, S, K, H] = [{B}, S, K, {H}] to match q {q.shape}, "
+        raise ValueError(f"attention: k must be [B, K, S, H] = [{B}, K, S, {H}] to match q {q.shape}, "
                          f"got shape {k.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"attention: v must have k's shape {k.shape}, got shape {v.shape}")
-    K = k.shape[2]
+    K, S = k.shape[1], k.shape[2]
+    if v.shape != (B, K, H, S):
+        raise ValueError(f"attention: v must be [B, K, H, S] = {[B, K, H, S]} to match k {k.shape}, "
+                         f"got shape {v.shape}")
     if N % K:
         raise ValueError(f"attention: q heads N={N} (q {q.shape}) must be a multiple of KV heads K={K} "
                          f"(k {k.shape})")
@@ -217,7 +237,7 @@ def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scal
     """
     _check_shapes(q, k, v, q_start, kv_len)
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K, S = k.shape[1], k.shape[2]
     blocks = default_blocks(B, T, N, K, H, S) if blocks is None else blocks
     _check_blocks(blocks)
     G = N // K
@@ -232,7 +252,8 @@ def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scal
                                block_k=blocks.block_k, k_splits=ks)
     row_spec = pl.BlockSpec((1,), lambda b, h, s: (b,))
     q_spec = pl.BlockSpec((None, None, M, H), lambda b, h, s: (b, h, 0, 0))
-    kv_spec = pl.BlockSpec((None, S, None, H), lambda b, h, s: (b, 0, h, 0))
+    k_spec = pl.BlockSpec((None, None, S, H), lambda b, h, s: (b, h, 0, 0))
+    v_spec = pl.BlockSpec((None, None, H, S), lambda b, h, s: (b, h, 0, 0))
     if ks == 1:
         out_shape = jax.ShapeDtypeStruct((B, K, M, H), q.dtype)
         out_specs = q_spec
@@ -247,7 +268,7 @@ def attention_pallas(q, k, v, q_start, kv_len, *, causal=True, window=None, scal
         kernel,
         out_shape=out_shape,
         grid=(B, K, ks),
-        in_specs=[row_spec, row_spec, q_spec, kv_spec, kv_spec],
+        in_specs=[row_spec, row_spec, q_spec, k_spec, v_spec],
         out_specs=out_specs,
         compiler_params=triton_params(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
@@ -270,6 +291,9 @@ MAX_QUERIES = 16  # queries per row the kernel's tile holds (a verify block); lo
 # on the shipped model, ~6 GiB at 27B) and keeps them in cache; a prefill's chunk c scores only the
 # 256 (c + 1) keys it can see (``_reference_chunks``).
 REFERENCE_QUERIES = 256
+# A short input's keys on the XLA path: the shortest prefix of the cache, in steps of at least PREFIX_KEYS
+# rows, at most MAX_PREFIXES branches per call (``key_prefixes``).
+PREFIX_KEYS, MAX_PREFIXES = 128, 8
 
 
 def _by_query_chunks(run, q, k, v, q_start, kv_len, size: int):
@@ -300,28 +324,58 @@ def _prefill_chunks(T: int, S: int) -> list[tuple[int, int, int]]:
     return [(lo, min(lo + size, T), min(lo + size, T, S)) for lo in range(0, T, size)]
 
 
-def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
-    """The XLA path: ``attention_reference`` on ``REFERENCE_QUERIES``-query chunks of a long input.
+def key_prefixes(S: int) -> list[int]:
+    """The key counts a short input's XLA attention picks from (``_seen_prefix``): multiples of a step of
+    ``PREFIX_KEYS`` or more (at most ``MAX_PREFIXES`` of them), the last S."""
+    step = -(-max(PREFIX_KEYS, -(-S // MAX_PREFIXES)) // PREFIX_KEYS) * PREFIX_KEYS
+    return [*range(step, S, step), S]
 
-    A causal prefill (every row's queries start at position 0, as ``target.prefill``'s do) runs its
-    chunks unrolled, chunk c [c*Q, (c+1)*Q) against keys [0, min((c+1)*Q, T, S)) only, the keys it can see:
-    about half the quadratic FLOPs and score bytes of scoring the whole capacity. Anything else (queries
-    that start later, or a non-causal block that sees every key up to kv_len) scores all S keys per
-    chunk. ``lax.cond`` runs one of the two (the prefill's constant start folds it at compile time).
-    A query that sees no key at all (kv_len 0, or past a short row's window: padding) averages the V
-    rows it was given, as the reference does over all S.
+
+def _seen_prefix(ref, q, k, v, q_start, kv_len, *, causal):
+    """``ref`` over the shortest of ``key_prefixes`` that holds every key some query of the batch can see.
+
+    A decode or verify step then costs its rows' lengths rounded up to the prefix step, not the capacity
+    (a static cache is sized for the longest prompt bucket plus every new token: the shipped bench's rows
+    see ~300 of 656 rows on average). The prefixes are static slices, one ``lax.switch`` branch each; keys
+    past the one chosen are masked in every query, so the output equals one pass over all S keys (to
+    rounding: softmax and p V reduce over fewer zeros).
+    """
+    lengths = key_prefixes(k.shape[2])
+    if len(lengths) == 1:
+        return ref(q, k, v, q_start, kv_len)
+    seen = jnp.max(jnp.minimum(kv_len, q_start + q.shape[1]) if causal else kv_len)
+    pick = jnp.minimum(jnp.searchsorted(jnp.asarray(lengths), seen), len(lengths) - 1)
+
+    def prefix(n):
+        return lambda q, k, v, q_start, kv_len: ref(q, k[:, :, :n], v[..., :n], q_start, kv_len)
+
+    return lax.switch(pick, [prefix(n) for n in lengths], q, k, v, q_start, kv_len)
+
+
+def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
+    """The XLA path: ``attention_reference`` over the keys in view, a long input in ``REFERENCE_QUERIES``-query
+    chunks.
+
+    An input of up to ``REFERENCE_QUERIES`` queries (decode, verify, a drafter block, a short prompt) scores
+    the shortest key prefix that covers it (``_seen_prefix``). A longer causal prefill (every row's queries
+    start at position 0, as ``target.prefill``'s do) runs its chunks unrolled, chunk c [c*Q, (c+1)*Q)
+    against keys [0, min((c+1)*Q, T, S)) only, the keys it can see: about half the quadratic FLOPs and
+    score bytes of scoring the whole capacity. Anything else (queries that start later, or a non-causal
+    block that sees every key up to kv_len) scores all S keys per chunk. ``lax.cond`` runs one of the two
+    (the prefill's constant start folds it at compile time). A query that sees no key at all (kv_len 0,
+    or past a short row's window: padding) averages the V rows it was given, as the reference does.
     """
     ref = functools.partial(attention_reference, causal=causal, window=window, scale=scale)
-    size, (T, S) = REFERENCE_QUERIES, (q.shape[1], k.shape[1])
+    size, (T, S) = REFERENCE_QUERIES, (q.shape[1], k.shape[2])
     if T <= size:
-        return ref(q, k, v, q_start, kv_len)
+        return _seen_prefix(ref, q, k, v, q_start, kv_len, causal=causal)
     every_key = functools.partial(_by_query_chunks, ref, size=size)
     if not causal:
         return every_key(q, k, v, q_start, kv_len)
 
     def seen_keys(q, k, v, q_start, kv_len):
         # q_start == 0: the queries of [lo, hi) see keys < hi at most (and < kv_len, masked inside)
-        outs = [ref(q[:, lo:hi], k[:, :keys], v[:, :keys], q_start + lo, kv_len)
+        outs = [ref(q[:, lo:hi], k[:, :, :keys], v[..., :keys], q_start + lo, kv_len)
                 for lo, hi, keys in _prefill_chunks(T, S)]
         return jnp.concatenate(outs, axis=1)  # [B, T, N, H]
 
@@ -342,9 +396,9 @@ def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None,
         return _by_query_chunks(run, q, k, v, q_start, kv_len, MAX_QUERIES)
 
     # On a mesh: per device, on its rows and query heads (and their KV heads).
-    heads, kv = ("B", None, "N", None), ("B", None, "K", None)
+    heads, kv = ("B", None, "N", None), ("B", "K", None, None)
     return dispatch.per_head(pallas, (q, k, v, q_start, kv_len), (heads, kv, kv, ("B",), ("B",)), heads,
-                             heads=("heads", q.shape[2]), shared=("kv_heads", k.shape[2]))
+                             heads=("heads", q.shape[2]), shared=("kv_heads", k.shape[1]))
 
 
 # Real Qwen3.5 attention shapes: (N, K, H, causal). The drafter attends non-causally over context + block.
@@ -366,8 +420,8 @@ def report_cases() -> list[KernelCase]:
                     fn = functools.partial(_case_fn, attention_pallas, q_start, kv_len, causal, blocks)
                     ref = functools.partial(_case_fn, attention_reference, q_start, kv_len, causal, None)
                     dt = jnp.bfloat16
-                    args = (jax.ShapeDtypeStruct((B, T, N, H), dt), jax.ShapeDtypeStruct((B, S, K, H), dt),
-                            jax.ShapeDtypeStruct((B, S, K, H), dt))
+                    args = (jax.ShapeDtypeStruct((B, T, N, H), dt),
+                            *(jax.ShapeDtypeStruct(shape, dt) for shape in cache_shapes(B, S, K, H)))
                     itemsize = jnp.dtype(dt).itemsize
                     # K, V read once; q read, o written
                     bytes_moved = (2 * B * S * K * H + 2 * B * T * N * H) * itemsize

@@ -133,12 +133,14 @@ def gdn_recurrent_reference(q, k, v, g, beta, state):
 def _unit_lower_inverse_xla(a):
     """(I + a)^-1 for strictly lower a [..., C, C], in batched XLA matmuls: no LAPACK call.
 
-    Doubling the inverted diagonal blocks: from blocks X11, X22 of size b (the inverses of the
-    diagonal blocks T11, T22 of I + a), the block of size 2b is [[X11, 0], [-X22 T21 X11, X22]].
-    Every intermediate is a block of the final inverse, so the rounding stays at forward
-    substitution's level (the Neumann product (I - a)(I + a^2)(I + a^4)... is exact only in exact
-    arithmetic: its powers grow like binomials and cancel, ~1e9 relative error in f32 on a chunk of
-    repeated tokens). log2(C) levels, ~C^3/3 MACs per matrix; C is padded to a power of two.
+    Doubling the inverted diagonal blocks: if X11, X22 invert the diagonal blocks T11, T22 of size b
+    of I + a, the block of size 2b is inverted by [[X11, 0], [-X22 T21 X11, X22]]. Held as one [P, P]
+    matrix D (block diagonal, blocks of size b) and L (the T21 blocks under it, a masked copy of a),
+    that is D <- D - D L D: two full-size matmuls per level, log2(P) - 1 levels (the first is I - L).
+    Every intermediate is a block of the final inverse, so the rounding stays at forward substitution's
+    level (the Neumann product (I - a)(I + a^2)(I + a^4)... is exact only in exact arithmetic: its powers
+    grow like binomials and cancel, ~1e9 relative error in f32 on a chunk of repeated tokens). C is
+    padded to a power of two P.
 
     Why not ``jax.scipy.linalg.solve_triangular``: jaxlib 0.10.2's CPU kernel (lapack_strsm_ffi)
     fans the batch out onto the intra-op thread pool and blocks on it, so several simulated CPU
@@ -148,17 +150,38 @@ def _unit_lower_inverse_xla(a):
     *lead, C, _ = a.shape
     P = 1 << max(C - 1, 0).bit_length()
     a = jnp.pad(a, [(0, 0)] * len(lead) + [(0, P - C)] * 2)  # I + 0 beyond C: the inverse is unchanged
+    row, col = jnp.arange(P)[:, None], jnp.arange(P)[None, :]
     mm = functools.partial(jnp.matmul, precision=HIGHEST)
-    inv, b = jnp.ones((*lead, P, 1, 1), a.dtype), 1  # [..., P/b, b, b]: the inverted diagonal blocks
+    inv, b = jnp.broadcast_to(jnp.eye(P, dtype=a.dtype), a.shape), 1
     while b < P:
-        n = P // (2 * b)
-        pairs = jnp.diagonal(a.reshape(*lead, n, 2 * b, n, 2 * b), axis1=-4, axis2=-2)  # [..., 2b, 2b, n]
-        t21 = jnp.moveaxis(pairs, -1, -3)[..., b:, :b]  # [..., n, b, b]
-        x11, x22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
-        inv = jnp.concatenate([jnp.concatenate([x11, jnp.zeros_like(x11)], -1),
-                               jnp.concatenate([-mm(x22, mm(t21, x11)), x22], -1)], -2)
+        low = jnp.where((row // b == col // b + 1) & (row // b % 2 == 1), a, 0.0)  # the T21 blocks of size b
+        inv = inv - low if b == 1 else inv - mm(inv, mm(low, inv))
         b *= 2
-    return inv.reshape(*lead, P, P)[..., :C, :C]
+    return inv[..., :C, :C]
+
+
+def _verify_block(q, k, v, g, beta, state):
+    """``gdn_verify``'s XLA path: the T tokens as one chunk of the WY form, outputs and writes only.
+
+    With G the cumulative log-decay and Gamma_ij = e^(G_i - G_j) (j <= i), the writes solve
+    (I + A) u = beta (v - e^G K S_0), A = strictly-lower(beta K K^T * Gamma), and o = e^G Q S_0 +
+    (Q K^T * Gamma) u: four batched matmuls (the queries and keys stacked against K and against S_0),
+    the inverse, two more. No state is formed (the commit's replay does that from u).
+    """
+    T, Hv = g.shape[1], v.shape[2]
+    f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 2)  # noqa: E731  [B, T, H, ...] -> [B, H, T, ...]
+    qk = f32(jnp.concatenate([_expand_heads(q, Hv), _expand_heads(k, Hv)], axis=1))  # [B, Hv, 2T, Dk]
+    v, g, beta = f32(v), f32(g)[..., None], f32(beta)[..., None]  # [B, Hv, T, Dv], [B, Hv, T, 1] x2
+    G = jnp.cumsum(g, axis=2)
+    i = jnp.arange(T)
+    decay = jnp.exp(jnp.where(i[:, None] >= i[None, :], G - jnp.swapaxes(G, 2, 3), -jnp.inf))  # [B, Hv, T, T]
+    dots = jnp.einsum("bhid,bhjd->bhij", qk, qk[:, :, T:], precision=HIGHEST)  # [B, Hv, 2T, T]: Q K^T; K K^T
+    read = jnp.einsum("bhid,bhdv->bhiv", qk, state.astype(jnp.float32), precision=HIGHEST)  # [B, Hv, 2T, Dv]
+    a = jnp.where(i[:, None] > i[None, :], beta * dots[:, :, T:] * decay, 0.0)
+    rhs = beta * (v - jnp.exp(G) * read[:, :, T:])
+    u = jnp.einsum("bhij,bhjv->bhiv", _unit_lower_inverse_xla(a), rhs, precision=HIGHEST)
+    o = jnp.exp(G) * read[:, :, :T] + jnp.einsum("bhij,bhjv->bhiv", dots[:, :, :T] * decay, u, precision=HIGHEST)
+    return jnp.moveaxis(o, 1, 2), jnp.moveaxis(u, 1, 2)
 
 
 def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
@@ -496,13 +519,12 @@ def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
 def gdn_verify(q, k, v, g, beta, state, *, impl=None):
     """Verify outputs and writes without a state write; same contract as ``gdn_verify_reference``.
 
-    The XLA path runs the T tokens as one chunk of the WY form (a few batched matmuls) instead of the
-    token scan: inside the fused CPU loop it cut a plain-decoding step ~10% and a DFlash-16 step ~3%
-    (the scan's 16 trips cost more dispatch than their FLOPs).
+    The XLA path runs the T tokens as one chunk of the WY form (``_verify_block``: a few batched matmuls)
+    instead of the token scan, whose 16 trips cost more dispatch than their FLOPs in the fused CPU loop.
     """
     mode = dispatch.resolve(impl)
     if mode == "reference":
-        return _chunked(q, k, v, g, beta, state, g.shape[1])[:2]
+        return _verify_block(q, k, v, g, beta, state)
     run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
     return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), (_V, _V), k, v)
 

@@ -89,8 +89,8 @@ def _smoke_cases() -> list[KernelCase]:
 
     B, T, N, K, H, S = 1, 4, 4, 2, 32, 64
     q_start, kv_len = jnp.full((B,), S - T, jnp.int32), jnp.full((B,), S, jnp.int32)
-    args = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32), jax.ShapeDtypeStruct((B, S, K, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, S, K, H), jnp.float32))
+    args = (jax.ShapeDtypeStruct((B, T, N, H), jnp.float32),
+            *(jax.ShapeDtypeStruct(shape, jnp.float32) for shape in kernels.cache_shapes(B, S, K, H)))
     fn = lambda q, k, v: kernels.attention(q, k, v, q_start, kv_len, impl="interpret")
     ref = lambda q, k, v: kernels.attention_reference(q, k, v, q_start, kv_len)
     return [KernelCase("smoke/attention", fn, ref, args, (2 * B * S * K * H + 2 * B * T * N * H) * 4)]

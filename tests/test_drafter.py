@@ -170,8 +170,10 @@ def test_context_in_two_pieces_equals_one_write():
     padded = np.concatenate([taps[:, :5], np.zeros((2, CTX_T - 5, taps.shape[2]), np.float32)], axis=1)
     whole = advance(_write(d.graphdef, d.params, empty, jnp.asarray(padded)), jnp.array([5, 5]))
     np.testing.assert_array_equal(pieces.lengths, [5, 5])
-    for a, b in zip(pieces.k + pieces.v, whole.k + whole.v, strict=True):
-        np.testing.assert_allclose(np.asarray(a[:, :5]), np.asarray(b[:, :5]), atol=1e-6)
+    for a, b in zip(pieces.k, whole.k, strict=True):  # [B, K, S, H]
+        np.testing.assert_allclose(np.asarray(a[:, :, :5]), np.asarray(b[:, :, :5]), atol=1e-6)
+    for a, b in zip(pieces.v, whole.v, strict=True):  # [B, K, H, S]
+        np.testing.assert_allclose(np.asarray(a[..., :5]), np.asarray(b[..., :5]), atol=1e-6)
     out_pieces, _ = _draft(d.graphdef, d.params, pieces, jnp.asarray(x))
     out_whole, _ = _draft(d.graphdef, d.params, whole, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(out_pieces), np.asarray(out_whole), atol=1e-6)

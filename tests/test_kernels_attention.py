@@ -15,7 +15,10 @@ from dflash_jax.kernels.attention import (
     attention,
     attention_pallas,
     attention_reference,
+    cache_shapes,
+    key_prefixes,
     report_cases,
+    write_cache,
 )
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -24,7 +27,7 @@ TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 def _inputs(B, T, N, K, H, S, dtype, seed=0):
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), dtype)
-               for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+               for shape in ((B, T, N, H), *cache_shapes(B, S, K, H)))
     return q, k, v
 
 
@@ -101,7 +104,7 @@ def test_compiled_kernel_at_real_shapes_matches_reference(name):
 def test_lowers_at_real_shapes(name, platform):
     B, T, N, K, H, S, causal = REAL[name]
     sd = jax.ShapeDtypeStruct
-    args = (sd((B, T, N, H), jnp.bfloat16), sd((B, S, K, H), jnp.bfloat16), sd((B, S, K, H), jnp.bfloat16),
+    args = (sd((B, T, N, H), jnp.bfloat16), *(sd(shape, jnp.bfloat16) for shape in cache_shapes(B, S, K, H)),
             sd((B,), jnp.int32), sd((B,), jnp.int32))
     f = functools.partial(attention_pallas, causal=causal)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
@@ -113,19 +116,19 @@ def test_report_cases_are_real_shapes():
     assert len({c.name for c in cases}) == len(cases)
     for c in cases:
         q, k = c.args[0], c.args[1]
-        assert q.shape[3] in (128, 256) and k.shape[1] in (4096, 32768) and c.bytes_moved > 0
+        assert q.shape[3] in (128, 256) and k.shape[2] in (4096, 32768) and c.bytes_moved > 0
 
 
 @pytest.mark.parametrize("change,match", [
     (dict(q=(2, 4, 8, 64, 1)), "q must be"),
-    (dict(k=(2, 64, 2, 128)), "k must be"),
-    (dict(v=(2, 64, 2, 32)), "v must have"),
-    (dict(k=(2, 64, 3, 64), v=(2, 64, 3, 64)), "multiple of KV heads"),
+    (dict(k=(2, 2, 48, 128)), "k must be"),
+    (dict(v=(2, 2, 48, 64)), r"v must be \[B, K, H, S\]"),  # V stored like K (the old layout): refused
+    (dict(k=(2, 3, 48, 64), v=(2, 3, 64, 48)), "multiple of KV heads"),
     (dict(kv_len=(3,)), "kv_len must be"),
-    (dict(q=(2, 4, 8, 96), k=(2, 64, 2, 96), v=(2, 64, 2, 96)), "power-of-two head dim"),
+    (dict(q=(2, 4, 8, 96), k=(2, 2, 48, 96), v=(2, 2, 96, 48)), "power-of-two head dim"),
 ])
 def test_bad_shapes_raise(change, match):
-    shapes = dict(q=(2, 4, 8, 64), k=(2, 64, 2, 64), v=(2, 64, 2, 64), q_start=(2,), kv_len=(2,))
+    shapes = dict(q=(2, 4, 8, 64), k=(2, 2, 48, 64), v=(2, 2, 64, 48), q_start=(2,), kv_len=(2,))
     shapes.update(change)
     args = [jnp.zeros(shapes[n], jnp.int32 if n in ("q_start", "kv_len") else jnp.float32)
             for n in ("q", "k", "v", "q_start", "kv_len")]
@@ -156,4 +159,52 @@ def test_reference_prefill_in_query_chunks_equals_one_pass(monkeypatch, causal, 
     np.testing.assert_allclose(np.asarray(run(q, k, v, q_start, kv_len)), np.asarray(ref), rtol=1e-6, atol=1e-6)
     jaxpr = str(jax.make_jaxpr(run)(q, k, v, q_start, kv_len))
     assert "scan" in jaxpr  # the chunks, not one pass
-    assert ("f32[2,16,2,32]" in jaxpr) == causal  # the first chunk's 16 keys of the 64 (only when causal)
+    assert ("f32[2,2,16,32]" in jaxpr) == causal  # the first chunk's 16 keys of the 64 (only when causal)
+
+
+def test_write_cache_writes_each_row_at_its_own_start():
+    rng = np.random.default_rng(0)
+    B, T, K, H, S = 3, 4, 2, 8, 10
+    k_cache, v_cache = (rng.normal(size=shape).astype(np.float32) for shape in cache_shapes(B, S, K, H))
+    k, v = (rng.normal(size=(B, T, K, H)).astype(np.float32) for _ in range(2))
+    start = np.array([0, 3, 6])
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b, s in enumerate(start):
+        want_k[b, :, s:s + T] = k[b].transpose(1, 0, 2)  # [K, T, H]
+        want_v[b, :, :, s:s + T] = v[b].transpose(1, 2, 0)  # [K, H, T]
+    got_k, got_v = write_cache(*map(jnp.asarray, (k_cache, v_cache, k, v, start)))
+    np.testing.assert_array_equal(got_k, want_k)
+    np.testing.assert_array_equal(got_v, want_v)
+
+
+def test_key_prefixes_cover_the_cache_in_at_most_eight_steps():
+    assert key_prefixes(100) == [100]
+    assert key_prefixes(656) == [128, 256, 384, 512, 640, 656]
+    for S in (200, 4096, 4100, 32768):
+        p = key_prefixes(S)
+        assert p[-1] == S and len(p) <= 8 and p == sorted(p) and all(n % 128 == 0 for n in p[:-1])
+
+
+# (T, causal, window, q_start, kv_len) over a cache of 300 rows (prefixes 128, 256, 300): the batch's furthest
+# visible key picks the prefix, the shortest row must not pick it; boundaries 128 / 129 and the whole cache.
+PREFIX_CASES = [
+    (16, True, None, (112, 4), (128, 20)),  # verify, everything inside the first 128 keys
+    (16, True, None, (113, 4), (129, 20)),  # one key past it: 256
+    (1, True, None, (199, 10), (200, 11)),  # decode
+    (16, False, None, (280, 0), (296, 16)),  # a drafter block at the end: all 300
+    (16, False, 32, (100, 40), (116, 56)),  # sliding window
+    (5, True, None, (0, 0), (5, 3)),  # a short prompt from position 0
+]
+
+
+@pytest.mark.parametrize("T,causal,window,q_start,kv_len", PREFIX_CASES)
+def test_reference_scores_the_shortest_key_prefix_in_view(T, causal, window, q_start, kv_len):
+    """A short input on the XLA path scores only the cache prefix its rows can see: the same output as
+    one pass over all S keys, and a switch over the static prefixes (not one pass over the capacity)."""
+    q, k, v = _inputs(2, T, 4, 2, 32, 300, jnp.float32, seed=3)
+    q_start, kv_len = jnp.asarray(q_start, jnp.int32), jnp.asarray(kv_len, jnp.int32)
+    run = functools.partial(attention, causal=causal, window=window, impl="reference")
+    ref = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
+    np.testing.assert_allclose(np.asarray(run(q, k, v, q_start, kv_len)), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    jaxpr = str(jax.make_jaxpr(run)(q, k, v, q_start, kv_len))
+    assert "cond[" in jaxpr and "f32[2,2,128,32]" in jaxpr and "f32[2,2,32,256]" in jaxpr

@@ -15,24 +15,13 @@ from flax import nnx
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
-from dflash_jax.layers import GatedDeltaNet, RMSNorm, gdn_channel_order, gdn_channels, slide_window, write_rows
+from dflash_jax.layers import GatedDeltaNet, RMSNorm, gdn_channel_order, gdn_channels, slide_window
 
 # Hk = 2 key heads, r = 3 value heads per key head, Dk != Dv: every piece of the order has its own size.
 GDN = TargetConfig(vocab_size=16, hidden_size=12, num_hidden_layers=1, layer_types=("linear_attention",),
                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, linear_num_key_heads=2,
                    linear_num_value_heads=6, linear_key_head_dim=4, linear_value_head_dim=3, intermediate_size=8)
 QKV, CONV = "model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.conv1d.weight"
-
-
-def test_write_rows_writes_each_row_at_its_own_start():
-    rng = np.random.default_rng(0)
-    cache = rng.normal(size=(3, 10, 2)).astype(np.float32)
-    new = rng.normal(size=(3, 4, 2)).astype(np.float32)
-    start = np.array([0, 3, 6])
-    want = cache.copy()
-    for b, s in enumerate(start):
-        want[b, s:s + 4] = new[b]
-    np.testing.assert_array_equal(write_rows(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(start)), want)
 
 
 def test_slide_window_keeps_the_last_inputs_up_to_the_kept_token():

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
+from dflash_jax import kernels
 from dflash_jax.checkpoint import write_safetensors
 from dflash_jax.config import TargetConfig
 from dflash_jax.mtp import MTPProposer, mtp_params, mtp_step
@@ -96,7 +97,7 @@ def _mtp_step(graphdef, params, tokens, hidden, k_cache, v_cache, start):
 
 
 def _zeros_cache(cfg, B, S):
-    return jnp.zeros((B, S, cfg.num_key_value_heads, cfg.head_dim), jnp.float32)
+    return [jnp.zeros(shape, jnp.float32) for shape in kernels.cache_shapes(B, S, cfg.num_key_value_heads, cfg.head_dim)]
 
 
 # ---- numpy reference of the MTP formulas (Qwen3.5 norms, gated attention, partial NeoX RoPE, SwiGLU) ----
@@ -168,7 +169,7 @@ def test_mtp_step_matches_numpy_incrementally(targets, kind):
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (2, 8)).astype(np.int32)
     hidden = rng.standard_normal((2, 8, cfg.hidden_size)).astype(np.float32)
-    kc = vc = _zeros_cache(cfg, 2, 16)
+    kc, vc = _zeros_cache(cfg, 2, 16)
     out1, kc, vc = _mtp_step(tg.graphdef, tg.params, tokens[:, :4], hidden[:, :4], kc, vc, jnp.zeros(2, jnp.int32))
     start = np.array([4, 3], np.int32)  # row 1 rewrites entry 3: a dead row overwritten, as after a rejection
     rows = np.stack([np.arange(s, s + 4) for s in start])
@@ -229,15 +230,15 @@ def test_greedy_block4_lossless_and_context_is_teacher_forced(dense, prompts, pl
     T = max(map(len, seqs))
     seq = np.array([s + [0] * (T - len(s)) for s in seqs], np.int32)
     hidden = jax.jit(forward, static_argnames="graphdef")(dense.graphdef, dense.params, seq).hidden
-    kc = vc = _zeros_cache(dense.cfg, len(seqs), T - 1)
+    kc, vc = _zeros_cache(dense.cfg, len(seqs), T - 1)
     _, k, v = _mtp_step(dense.graphdef, dense.params, seq[:, 1:], hidden[:, :-1], kc, vc,
                         jnp.zeros(len(seqs), jnp.int32))
     for b, s in enumerate(seqs):
         # Drafts accepted past max_new_tokens are committed but not emitted: their entries are not checked.
         n = min(int(st.length[b]), len(s) - 1)
         assert n > lengths[b] + MAX_NEW // 2
-        np.testing.assert_allclose(st.k[b, :n], k[b, :n], atol=2e-5, err_msg=f"row {b}")
-        np.testing.assert_allclose(st.v[b, :n], v[b, :n], atol=2e-5, err_msg=f"row {b}")
+        np.testing.assert_allclose(st.k[b, :, :n], k[b, :, :n], atol=2e-5, err_msg=f"row {b}")  # [K, S, H]
+        np.testing.assert_allclose(st.v[b, ..., :n], v[b, ..., :n], atol=2e-5, err_msg=f"row {b}")  # [K, H, S]
 
 
 def test_sampled_drafts_follow_the_unrolled_chain(dense, block4):

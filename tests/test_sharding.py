@@ -233,12 +233,12 @@ def _kernels(mesh_shape) -> dict:
         return jnp.asarray(r.normal(size=shape), jnp.float32)
 
     g = -jnp.abs(normal(B, T, Hv))
-    args = dict(q=normal(B, T, N, H), k=normal(B, S, K, H), v=normal(B, S, K, H),
+    args = dict(q=normal(B, T, N, H), k=normal(B, K, S, H), v=normal(B, K, H, S),
                 start=jnp.asarray(r.integers(0, S - T, B), jnp.int32), gq=normal(B, T, Hk, Dk),
                 gk=normal(B, T, Hk, Dk) * 0.3, gv=normal(B, T, Hv, Dk), g=g, beta=jax.nn.sigmoid(g),
                 state=normal(B, Hv, Dk, Dk), n=jnp.asarray(r.integers(0, T + 1, B), jnp.int32))
-    axes = dict(q=("batch", None, "heads", None), k=("batch", None, "kv_heads", None),
-                v=("batch", None, "kv_heads", None), start=("batch",), gq=("batch", None, "k_heads", None),
+    axes = dict(q=("batch", None, "heads", None), k=("batch", "kv_heads", None, None),
+                v=("batch", "kv_heads", None, None), start=("batch",), gq=("batch", None, "k_heads", None),
                 gk=("batch", None, "k_heads", None), gv=("batch", None, "v_heads", None),
                 g=("batch", None, "v_heads"), beta=("batch", None, "v_heads"),
                 state=("batch", "v_heads", None, None), n=("batch",))

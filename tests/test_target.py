@@ -96,8 +96,8 @@ def _assert_same_cache(a, b, exact=True):
     for ca, cb in zip(a.layers, b.layers, strict=True):
         if isinstance(ca, AttentionCache):
             for row, n in enumerate(np.asarray(a.lengths)):  # rows past the length are dead
-                check(ca.k[row, :n], cb.k[row, :n])
-                check(ca.v[row, :n], cb.v[row, :n])
+                check(ca.k[row, :, :n], cb.k[row, :, :n])  # [K, S, H]
+                check(ca.v[row, ..., :n], cb.v[row, ..., :n])  # [K, H, S]
         else:
             assert isinstance(ca, GDNCache) and ca.pending is None and cb.pending is None
             check(ca.conv, cb.conv)

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from dflash_jax import kernels
 from dflash_jax.mtp import mtp_step
 from dflash_jax.proposers import TargetView
 from dflash_jax.target import Qwen35ForCausalLM, Target
@@ -33,9 +34,10 @@ def mtp_loss_fn(graphdef, prompt_len: int):
         model = nnx.merge(graphdef, mtp_params, jax.lax.stop_gradient(rest))
         B, L = tokens.shape
         cfg = model.cfg
-        kv = jnp.zeros((B, L - 1, cfg.num_key_value_heads, cfg.head_dim), hidden.dtype)
+        kc, vc = (jnp.zeros(shape, hidden.dtype)
+                  for shape in kernels.cache_shapes(B, L - 1, cfg.num_key_value_heads, cfg.head_dim))
         view = TargetView.of(nnx.state(model))
-        out, _, _ = mtp_step(model.mtp, view, tokens[:, 1:], hidden[:, :-1], kv, kv, jnp.zeros((B,), jnp.int32))
+        out, _, _ = mtp_step(model.mtp, view, tokens[:, 1:], hidden[:, :-1], kc, vc, jnp.zeros((B,), jnp.int32))
         logits = model.logits(out[:, :-1]).astype(jnp.float32)  # entry t predicts x_{t+2}: [B, L-2, V]
         labels = tokens[:, 2:]
         keep = (jnp.arange(2, L) >= prompt_len).astype(jnp.float32)[None, :]  # only generated tokens
