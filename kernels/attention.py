@@ -8,8 +8,8 @@ the new queries sit at positions ``q_start + t``. The cache layout (``cache_shap
 [B, K, S, H] and V [B, K, H, S]: each stored as its product reads it, contracting over the minor dimension
 (scores q k^T over H, outputs p V over S), so XLA's dots take the caches as they are (with [B, S, K, H]
 the CPU path copied both caches into those layouts on every call, ~1/4 of an attention layer's time at
-656 rows), and one KV head's keys or values are one contiguous block for the kernel. The target's verify is ``causal=True``; the
-DFlash drafter's block is ``causal=False`` (its block K/V were written behind the context), with
+656 rows), and one KV head's keys or values are one contiguous block for the kernel. The target's verify
+is ``causal=True``; the DFlash drafter's block is ``causal=False`` (its block K/V were written behind the context), with
 ``window`` for its sliding-attention layers. GQA maps query head n to KV head n // (N // K), so
 non-power-of-two groups (6 for Qwen3.5-27B) work. Softmax runs in f32.
 

@@ -97,7 +97,8 @@ def _mtp_step(graphdef, params, tokens, hidden, k_cache, v_cache, start):
 
 
 def _zeros_cache(cfg, B, S):
-    return [jnp.zeros(shape, jnp.float32) for shape in kernels.cache_shapes(B, S, cfg.num_key_value_heads, cfg.head_dim)]
+    shapes = kernels.cache_shapes(B, S, cfg.num_key_value_heads, cfg.head_dim)
+    return [jnp.zeros(shape, jnp.float32) for shape in shapes]
 
 
 # ---- numpy reference of the MTP formulas (Qwen3.5 norms, gated attention, partial NeoX RoPE, SwiGLU) ----
