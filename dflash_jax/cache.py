@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels.attention import cache_shapes
+from dflash_jax.rope import table
 
 
 @jax.tree_util.register_dataclass
@@ -51,6 +52,7 @@ class GDNCache:
 class TargetCache:
     lengths: jax.Array  # [B] int32 tokens processed (committed) per row
     layers: tuple[AttentionCache | GDNCache, ...]
+    rope: jax.Array  # [S, 2, R/2] f32 cos/sin of every position (``rope.table``): a step gathers its rows
 
 
 def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCache:
@@ -65,4 +67,5 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCac
                 conv=jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
                 state=jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                  cfg.linear_value_head_dim), jnp.float32)))
-    return TargetCache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers))
+    return TargetCache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers),
+                       rope=table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling))

@@ -27,7 +27,7 @@ from dflash_jax import atomic, checkpoint, kernels
 from dflash_jax.config import DEFAULT_THETA, ConfigError, Fields, TargetConfig, parsing, read_config_json, rope_scaling
 from dflash_jax.kernels import dispatch
 from dflash_jax.layers import MLP, Linear, RMSNorm, SplitModel
-from dflash_jax.rope import RopeScaling, rope
+from dflash_jax.rope import RopeScaling, rotate, rows, table
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -254,10 +254,6 @@ def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
     return logits
 
 
-def _positions(lengths: jax.Array, T: int) -> jax.Array:
-    return lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-
-
 class DrafterAttention(nnx.Module):
     """Qwen3 attention (q/k norms, full-head NeoX RoPE, GQA) whose cache is fed by the target."""
 
@@ -272,16 +268,15 @@ class DrafterAttention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 
-    def kv(self, h: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """K/V of inputs h [B, T, D] at positions [B, T]: each [B, T, K, H]."""
+    def kv(self, h: jax.Array, rot: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K/V of inputs h [B, T, D] whose positions' cos/sin are rot [B, T, 2, H/2]: each [B, T, K, H]."""
         cfg = self.cfg
         B, T, _ = h.shape
-        k = self.k_norm(self.k_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim))
-        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling)
+        k = rotate(self.k_norm(self.k_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)), rot)
         return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
 
-    def __call__(self, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, *, causal: bool,
-                 window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, rot: jax.Array, *,
+                 causal: bool, window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The block's attention over ``[context ; block]``.
 
         Args:
@@ -289,16 +284,15 @@ class DrafterAttention(nnx.Module):
           k_cache, v_cache: [B, K, S, H] / [B, K, H, S] (``kernels.cache_shapes``) holding the context K/V at
             positions [0, start[b]).
           start: [B] int32 committed context length (the block's first position).
+          rot: [B, T, 2, H/2] the block positions' cos/sin (``rope.rows``).
         Returns:
           (output [B, T, D], the caches with the block's K/V written into rows [start, start + T)).
         """
         cfg = self.cfg
         B, T, _ = h.shape
         N, H = cfg.num_attention_heads, cfg.head_dim
-        positions = _positions(start, T)
-        q = self.q_norm(self.q_proj(h).reshape(B, T, N, H))
-        q = rope(q, positions, theta=cfg.rope_theta, rotary_dim=H, scaling=cfg.rope_scaling)
-        k, v = self.kv(h, positions)
+        q = rotate(self.q_norm(self.q_proj(h).reshape(B, T, N, H)), rot)
+        k, v = self.kv(h, rot)
         # The block sits right behind the committed context, so one kernel call covers [context ; block].
         k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
         o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=causal, window=window, impl=self.kernels)
@@ -317,11 +311,11 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                 start: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """x [B, T, D] at positions start[b] + t -> (x [B, T, D], caches with the block's K/V written)."""
-        o, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, start, causal=self.causal,
-                                             window=self.window)
+    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
+                 rot: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] at positions start[b] + t (cos/sin rot) -> (x [B, T, D], caches with the block's K/V written)."""
+        o, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, start, rot,
+                                             causal=self.causal, window=self.window)
         x = x + o
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
@@ -348,13 +342,15 @@ class DraftCache:
     k: tuple[jax.Array, ...]  # per drafter layer [B, K, S, H]
     v: tuple[jax.Array, ...]  # per drafter layer [B, K, H, S] (``kernels.cache_shapes``)
     lengths: jax.Array  # [B] int32 committed context tokens per row
+    rope: jax.Array  # [S, 2, H/2] f32 cos/sin of every position (``rope.table``)
 
 
 def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> DraftCache:
     """An empty cache. Capacity must cover the longest context plus one block (its rows are written)."""
     k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
             for shape in kernels.cache_shapes(batch, capacity, cfg.num_key_value_heads, cfg.head_dim))
-    return DraftCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+    return DraftCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                      rope=table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling))
 
 
 def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) -> DraftCache:
@@ -367,13 +363,13 @@ def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) ->
     """
     T = taps.shape[1]
     c = drafter.hidden_norm(drafter.fc(taps.astype(drafter.fc.weight.dtype)))  # [B, T, D], shared by all layers
-    positions = _positions(cache.lengths, T)
+    rot = rows(cache.rope, cache.lengths, T)
     ks, vs = [], []
     for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
-        kc, vc = kernels.write_cache(kc, vc, *layer.self_attn.kv(c, positions), cache.lengths)
+        kc, vc = kernels.write_cache(kc, vc, *layer.self_attn.kv(c, rot), cache.lengths)
         ks.append(kc)
         vs.append(vc)
-    return DraftCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+    return dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
 
 
 def advance(cache: DraftCache, n) -> DraftCache:
@@ -395,12 +391,13 @@ def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tupl
     if cfg.input_embedding_scale != 1.0:  # z-lab scales the block's embeddings
         x = x * cfg.input_embedding_scale
     start = cache.lengths
+    rot = rows(cache.rope, start, x.shape[1])
     ks, vs = [], []
     for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
-        x, kc, vc = layer(x, kc, vc, start)
+        x, kc, vc = layer(x, kc, vc, start, rot)
         ks.append(kc)
         vs.append(vc)
-    return drafter.norm(x), DraftCache(k=tuple(ks), v=tuple(vs), lengths=start)
+    return drafter.norm(x), dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from dflash_jax import kernels, sharding
 from dflash_jax.cache import GDNCache, GDNPending
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import mxfp4
-from dflash_jax.rope import rope
+from dflash_jax.rope import rotate
 
 
 def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
@@ -176,26 +176,22 @@ class GatedAttention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
-    def __call__(self, x, k_cache, v_cache, start):
+    def __call__(self, x, k_cache, v_cache, start, rot):
         """Attends T new tokens at positions start[b] + t over the cache, writing their K/V first.
 
         Args:
           x: [B, T, D]; k_cache [B, K, S, H], v_cache [B, K, H, S] (``kernels.cache_shapes``); start: [B]
-            int32 (tokens already cached).
+            int32 (tokens already cached); rot: [B, T, 2, R/2] the positions' cos/sin (``rope.rows``).
         Returns:
           ([B, T, D], k_cache, v_cache) with rows [start, start + T) written.
         """
         cfg = self.cfg
         B, T, _ = x.shape
         N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        positions = start[:, None] + jnp.arange(T)[None, :]
         qg = self.q_proj(x).reshape(B, T, N, 2 * H)
         q, gate = qg[..., :H], qg[..., H:].reshape(B, T, N * H)
-        q = rope(self.q_norm(q), positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
-                 scaling=cfg.rope_scaling)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, K, H))
-        k = rope(k, positions, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim,
-                 scaling=cfg.rope_scaling)
+        q = rotate(self.q_norm(q), rot)
+        k = rotate(self.k_norm(self.k_proj(x).reshape(B, T, K, H)), rot)
         v = self.v_proj(x).reshape(B, T, K, H)
         k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
         o = kernels.attention(q, k_cache, v_cache, start, start + T, causal=True, impl=self.kernels)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import sharding
+from dflash_jax import rope, sharding
 from dflash_jax.cache import AttentionCache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
@@ -29,7 +29,7 @@ from dflash_jax.sampling import SamplingConfig, draft_tokens
 from dflash_jax.target import MTP, Target, TargetOutput
 
 
-def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start):
+def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start, table):
     """Runs the MTP head on T entries at positions start[b] + t, writing their K/V first.
 
     Teacher-forced training uses it directly: tokens = x_{t+1}, hidden = h_t (``TargetOutput.hidden``),
@@ -40,14 +40,14 @@ def mtp_step(mtp: MTP, view: TargetView, tokens, hidden, k_cache, v_cache, start
       tokens: [B, T] int32, the token after each hidden state's position.
       hidden: [B, T, D] target final-normed hidden states (or the head's own output, when drafting).
       k_cache, v_cache: the head's cache ([B, K, S, H] / [B, K, H, S]: ``kernels.cache_shapes``); start: [B]
-        int32 entries already cached.
+        int32 entries already cached; table: [S, 2, R/2] the cos/sin of every position (``rope.table``).
     Returns:
       (out [B, T, D] after ``mtp.norm``, k_cache, v_cache) with rows [start, start + T) written.
     """
     e = mtp.pre_fc_norm_embedding(view.embed(tokens))
     h = mtp.pre_fc_norm_hidden(hidden.astype(e.dtype))
     x = mtp.fc(jnp.concatenate([e, h], axis=-1))  # [B, T, D]; the order [embedding, hidden] is the checkpoint's
-    x, kv = mtp.layers[0].attend(x, AttentionCache(k_cache, v_cache), start)
+    x, kv = mtp.layers[0].attend(x, AttentionCache(k_cache, v_cache), start, rope.rows(table, start, x.shape[1]))
     # On a mesh the cache keeps the target's KV-head layout inside propose's scan too (sharding.py).
     kv = sharding.constrain_cache(kv, mtp.layers[0].self_attn.cfg)
     return mtp.norm(x), kv.k, kv.v
@@ -66,6 +66,7 @@ class MTPState:
 
     k: jax.Array  # [B, K, S, H]
     v: jax.Array  # [B, K, H, S] (``kernels.cache_shapes``)
+    rope: jax.Array  # [S, 2, R/2] f32 cos/sin of every position (``rope.table``)
     length: jax.Array  # [B] int32 entries written (positions 0 .. length - 1)
     tokens: jax.Array  # [B, W] int32: pending entry j pairs with tokens[j] (the drafts of the last propose)
     hidden: jax.Array  # [B, W, D] pending target hidden states at positions length .. length + count - 1
@@ -132,10 +133,11 @@ class MTPProposer:
                   for shape in cache_shapes(B, capacity, cfg.num_key_value_heads, cfg.head_dim))
         # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.
         shifted = jnp.pad(jnp.asarray(prompts, jnp.int32)[:, 1:], ((0, 0), (0, 1)))
-        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kc, vc, jnp.zeros((B,), jnp.int32))
+        tab = rope.table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kc, vc, jnp.zeros((B,), jnp.int32), tab)
         last = jnp.take_along_axis(prefill.hidden, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, D]
         W = self.max_block
-        return MTPState(k=k, v=v, length=(prompt_lens - 1).astype(jnp.int32),
+        return MTPState(k=k, v=v, rope=tab, length=(prompt_lens - 1).astype(jnp.int32),
                         tokens=jnp.zeros((B, W), jnp.int32),
                         hidden=jnp.pad(last, ((0, 0), (0, W - 1), (0, 0))),
                         count=jnp.ones((B,), jnp.int32))
@@ -150,7 +152,8 @@ class MTPProposer:
         j = jnp.arange(k + 1)[None, :]
         last = state.count - 1  # [B] the newest pending entry: its token is the anchor
         tokens = jnp.where(j == last[:, None], anchor[:, None], state.tokens[:, :k + 1])
-        out, kc, vc = mtp_step(mtp, view, tokens, state.hidden[:, :k + 1], state.k, state.v, state.length)
+        out, kc, vc = mtp_step(mtp, view, tokens, state.hidden[:, :k + 1], state.k, state.v, state.length,
+                               state.rope)
         length = state.length + state.count
         # Rows with count 0 (finished) index entry 0: their drafts are ignored by the loop.
         h = jnp.take_along_axis(out, jnp.maximum(last, 0)[:, None, None], axis=1)  # [B, 1, D]
@@ -163,7 +166,7 @@ class MTPProposer:
         def deeper(carry, key):
             # The head's post-norm output stands in for the target's hidden one position further on.
             kc, vc, h, d, pos = carry
-            h, kc, vc = mtp_step(mtp, view, d[:, None], h, kc, vc, pos)
+            h, kc, vc = mtp_step(mtp, view, d[:, None], h, kc, vc, pos, state.rope)
             d_next, q = draft(h, key)
             return (kc, vc, h, d_next, pos + 1), (d_next, q)
 
@@ -173,8 +176,8 @@ class MTPProposer:
         drafts = jnp.concatenate([d1[:, None], jnp.moveaxis(ds, 0, 1)], axis=1)[:, :k]  # [B, k]
         q = None if q1 is None else jnp.concatenate([q1, jnp.moveaxis(qs[:, :, 0], 0, 1)], axis=1)[:, :k]
         W = state.tokens.shape[1]
-        new = MTPState(k=kc, v=vc, length=length, tokens=jnp.pad(drafts, ((0, 0), (0, W - k))),
-                       hidden=state.hidden, count=jnp.zeros((B,), jnp.int32))
+        new = dataclasses.replace(state, k=kc, v=vc, length=length, tokens=jnp.pad(drafts, ((0, 0), (0, W - k))),
+                                  count=jnp.zeros((B,), jnp.int32))
         return drafts, q, new
 
     def commit(self, *, params, view, state: MTPState, verified: TargetOutput, n):

@@ -1,9 +1,10 @@
 """Rotary position embeddings: the frequency schedules of transformers' rope types, and the rotation.
 
 Sits between ``config.py`` (which parses ``rope_parameters`` into a ``RopeScaling``) and the attention
-layers (``layers.GatedAttention``, the drafter's attention), which call ``rope`` on q and k. The
-frequencies are a function of the static config, computed once on the host in float32 exactly as
-transformers' ``ROPE_INIT_FUNCTIONS`` do, and enter the trace as constants.
+layers (``layers.GatedAttention``, the drafter's attention), which ``rotate`` q and k by the cos/sin rows of
+their positions (``rows`` of the cache's ``table``). The frequencies are a function of the static config,
+computed once on the host in float32 exactly as transformers' ``ROPE_INIT_FUNCTIONS`` do, and enter the
+trace as constants.
 
 Supported ``rope_type``: ``default``, ``linear`` (positions divided by ``factor``), ``yarn`` (NTK-by-parts
 interpolation plus an attention scaling of cos/sin) and ``llama3`` (wavelength-banded scaling).
@@ -112,18 +113,37 @@ def _llama3(inv_freq, s: RopeScaling) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, *, theta: float, rotary_dim: int,
-         scaling: RopeScaling = RopeScaling()) -> jax.Array:
-    """NeoX ("rotate half") RoPE on the first ``rotary_dim`` channels of each head.
+def rotation(positions: jax.Array, *, theta: float, rotary_dim: int,
+             scaling: RopeScaling = RopeScaling()) -> jax.Array:
+    """[..., 2, rotary_dim // 2] f32: the cos and sin (times the attention scaling) of the positions' angles."""
+    inv_freq, attention = frequencies(theta, rotary_dim, scaling)  # [half]
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., half]
+    return jnp.stack([jnp.cos(freqs), jnp.sin(freqs)], axis=-2) * attention
+
+
+def table(capacity: int, *, theta: float, rotary_dim: int, scaling: RopeScaling = RopeScaling()) -> jax.Array:
+    """[capacity, 2, rotary_dim // 2] f32: ``rotation`` of every cache position, built once with the cache.
+
+    The caches carry it so that a step gathers its rows (``rows``) instead of evaluating cos and sin:
+    XLA fuses those into each consumer and evaluates them per element of q and k (every head, both
+    halves), which cost a CPU decode loop more than the rotations themselves.
+    """
+    return rotation(jnp.arange(capacity), theta=theta, rotary_dim=rotary_dim, scaling=scaling)
+
+
+def rows(table: jax.Array, start: jax.Array, T: int) -> jax.Array:
+    """[B, T, 2, R/2]: the table's rows of positions start[b] + t."""
+    return table[start[:, None] + jnp.arange(T)[None, :]]
+
+
+def rotate(x: jax.Array, rot: jax.Array) -> jax.Array:
+    """NeoX ("rotate half") RoPE on the first R channels of each head.
 
     Args:
-      x: [B, T, N, H]; positions: [B, T] absolute token positions.
+      x: [B, T, N, H]; rot: [B, T, 2, R/2] (``rotation`` of the tokens' positions, or ``rows`` of a table).
     """
-    half = rotary_dim // 2
-    inv_freq, attention = frequencies(theta, rotary_dim, scaling)  # [half]
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, half]
+    half = rot.shape[-1]
     # transformers builds cos/sin in f32 (times the attention scaling) and casts them to x's dtype.
-    cos = (jnp.cos(freqs) * attention).astype(x.dtype)[:, :, None, :]
-    sin = (jnp.sin(freqs) * attention).astype(x.dtype)[:, :, None, :]
-    x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]
+    cos, sin = (rot[:, :, None, i].astype(x.dtype) for i in range(2))  # [B, T, 1, half]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)

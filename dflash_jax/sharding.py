@@ -99,8 +99,11 @@ CACHES: dict[str, dict[str, tuple[str | None, ...]]] = {
     "GDNCache": {"conv": ("batch", None, "gdn_channels"), "state": ("batch", "v_heads", None, None)},
     "GDNPending": {"mixed": ("batch", None, "gdn_channels"), "k": ("batch", None, "k_heads", None),
                    "u": ("batch", None, "v_heads", None), "g": ("batch", None, "v_heads")},
-    "MTPState": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None)},
-    "DraftCache": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None)},
+    "MTPState": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None),
+                 "rope": (None, None, None)},
+    "DraftCache": {"k": ("batch", "kv_heads", None, None), "v": ("batch", "kv_heads", None, None),
+                   "rope": (None, None, None)},
+    "TargetCache": {"rope": (None, None, None)},  # the position table: no rows
 }
 _DRAFT_CACHES = ("DraftCache",)  # laid out by the drafter's heads, not the target's
 

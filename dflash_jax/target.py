@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dflash_jax import atomic, checkpoint, quant, sharding
+from dflash_jax import atomic, checkpoint, quant, rope, sharding
 from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
@@ -67,9 +67,9 @@ class DecoderLayer(nnx.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def attend(self, x, cache: AttentionCache, start):
-        """Full-attention layer over new tokens at positions start[b] + t; writes their K/V."""
-        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start)
+    def attend(self, x, cache: AttentionCache, start, rot):
+        """Full-attention layer over new tokens at positions start[b] + t (cos/sin ``rot``); writes their K/V."""
+        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start, rot)
         return self._mlp_residual(x, h), AttentionCache(k, v)
 
     def gdn_prefill(self, x, lengths):
@@ -146,11 +146,12 @@ def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
     """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None)."""
     x = model.model.embed_tokens(tokens)
     start = cache.lengths
+    rot = rope.rows(cache.rope, start, tokens.shape[1])  # once for every attention layer, as transformers does
     new_layers, tapped = [], {}
     for i, (layer, c) in enumerate(zip(model.model.layers, cache.layers, strict=True)):
         with jax.named_scope(f"layer{i}"):
             if isinstance(c, AttentionCache):
-                x, c = layer.attend(x, c, start)
+                x, c = layer.attend(x, c, start, rot)
             elif lengths is not None:
                 x, c = layer.gdn_prefill(x, lengths)
             else:
@@ -186,7 +187,7 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
     hidden, tap_out, layers = _run(model, tokens, cache, lengths, taps)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     out = TargetOutput(logits=model.logits(last), taps=tap_out, hidden=hidden)
-    return out, TargetCache(lengths=lengths, layers=tuple(layers))
+    return out, dataclasses.replace(cache, lengths=lengths, layers=tuple(layers))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
@@ -204,7 +205,7 @@ def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...
     model = nnx.merge(graphdef, params)
     hidden, tap_out, layers = _run(model, tokens, cache, None, taps)
     out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
-    return out, TargetCache(lengths=cache.lengths, layers=tuple(layers))
+    return out, dataclasses.replace(cache, layers=tuple(layers))
 
 
 def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
@@ -220,14 +221,14 @@ def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
     # Only what the result reuses is donated; the pending inputs are read by the replay, then dropped.
     pending = tuple(c.pending if isinstance(c, GDNCache) else None for c in cache.layers)
     layers = tuple(dataclasses.replace(c, pending=None) if isinstance(c, GDNCache) else c for c in cache.layers)
-    return _commit(TargetCache(lengths=cache.lengths, layers=layers), pending, jnp.asarray(n, jnp.int32))
+    return _commit(dataclasses.replace(cache, layers=layers), pending, jnp.asarray(n, jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _commit(cache: TargetCache, pending: tuple, n: jax.Array) -> TargetCache:
     layers = tuple(GatedDeltaNet.commit(dataclasses.replace(c, pending=p), n) if isinstance(c, GDNCache) else c
                    for c, p in zip(cache.layers, pending, strict=True))
-    return TargetCache(lengths=cache.lengths + n, layers=layers)
+    return dataclasses.replace(cache, lengths=cache.lengths + n, layers=layers)
 
 
 def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax import kernels
+from dflash_jax import kernels, rope
 from dflash_jax.checkpoint import write_safetensors
 from dflash_jax.config import TargetConfig
 from dflash_jax.mtp import MTPProposer, mtp_params, mtp_step
@@ -93,7 +93,10 @@ def _prompts(vocab, seed=0):
 
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _mtp_step(graphdef, params, tokens, hidden, k_cache, v_cache, start):
-    return mtp_step(nnx.merge(graphdef, params).mtp, TargetView.of(params), tokens, hidden, k_cache, v_cache, start)
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    tab = rope.table(k_cache.shape[2], theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+    return mtp_step(model.mtp, TargetView.of(params), tokens, hidden, k_cache, v_cache, start, tab)
 
 
 def _zeros_cache(cfg, B, S):

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_jax.config import ConfigError, TargetConfig
 from dflash_jax.drafter import DrafterConfig, init_drafter
-from dflash_jax.rope import RopeScaling, frequencies, rope
+from dflash_jax.rope import RopeScaling, frequencies, rotate, rotation, rows, table
 from dflash_jax.target import forward, init_target, load_target
 
 torch = pytest.importorskip("torch")
@@ -96,15 +96,20 @@ def test_drafter_rotation_matches_qwen3_rotary_embedding():
     x = np.random.default_rng(0).standard_normal((1, 5, 2, 16)).astype(np.float32)
     cos, sin = emb(torch.tensor(x), torch.tensor(pos))
     want, _ = apply_rotary_pos_emb(torch.tensor(x).transpose(1, 2), torch.tensor(x).transpose(1, 2), cos, sin)
-    got = rope(jnp.asarray(x), jnp.asarray(pos), theta=cfg.rope_theta, rotary_dim=cfg.head_dim,
-               scaling=cfg.rope_scaling)
+    rot = rotation(jnp.asarray(pos), theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling)
+    got = rotate(jnp.asarray(x), rot)
     np.testing.assert_allclose(np.asarray(got), want.transpose(1, 2).numpy(), atol=2e-5)
+    # A cache's table holds the same rows: rows(table, start, T) at positions start[b] + t.
+    tab = table(70010, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling)
+    start = jnp.asarray([3, 69995])
+    want_rows = rotation(start[:, None] + jnp.arange(5), theta=cfg.rope_theta, rotary_dim=cfg.head_dim,
+                         scaling=cfg.rope_scaling)
+    np.testing.assert_array_equal(np.asarray(rows(tab, start, 5)), np.asarray(want_rows))
     # ... and the drafter's attention uses it: k of a drafter layer vs the same rotation by hand.
     attn = init_drafter(cfg).module().layers[0].self_attn
     h = jnp.asarray(np.random.default_rng(1).standard_normal((1, 5, 32)).astype(np.float32))
-    k, _ = attn.kv(h, jnp.asarray(pos))
-    k_ref = rope(attn.k_norm(attn.k_proj(h).reshape(1, 5, 1, 16)), jnp.asarray(pos), theta=1e7, rotary_dim=16,
-                 scaling=cfg.rope_scaling)
+    k, _ = attn.kv(h, rot)
+    k_ref = rotate(attn.k_norm(attn.k_proj(h).reshape(1, 5, 1, 16)), rot)
     np.testing.assert_array_equal(np.asarray(k), np.asarray(k_ref))
 
 
