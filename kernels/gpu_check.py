@@ -24,6 +24,7 @@ its numbers say nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -150,7 +151,7 @@ def part_steps(target, *, context: int, block: int) -> dict:
 
     runs = 8
     cache = init_cache(target.cfg, 1, context + (runs + 4) * block, target.dtype)
-    cache = type(cache)(lengths=jnp.full((1,), context, jnp.int32), layers=cache.layers)
+    cache = dataclasses.replace(cache, lengths=jnp.full((1,), context, jnp.int32))
 
     def step(params, tokens, cache):
         out, vcache = verify(target.graphdef, params, tokens, cache)
