@@ -354,3 +354,8 @@ def test_regime_fixed_tau_replays_plain_decoding_at_the_set_acceptance(tiny_pair
     assert all(b["same_tokens"] for b in r["blocks"])
     # block 2: 2 tokens per step, 12 after the first -> 6 steps; block 4: 3 per step -> 4 steps
     assert [round(b["tau"], 4) for b in r["blocks"]] == [2.0, 3.0]
+
+
+def test_floor_context_is_the_real_prompts_not_the_bucket():
+    """The floors' attention reads each row's prompt plus half the new tokens, not the padded bucket."""
+    assert bench.mean_context([[1] * 188, [1] * 272], 128) == 294  # (188 + 272) / 2 + 64; the bucket is 512
