@@ -117,8 +117,8 @@ def default_blocks(B: int, T: int, N: int, K: int, H: int, S: int) -> AttentionB
     """The shipped configuration for a static shape (the compile report checks these at real shapes).
 
     From the gfx950 compile report (triton 3.8, the Triton jaxlib 0.10.2 bundles): the decode tile
-    (M * H <= 16 * 256) runs block_k 32 on 4 warps (~116 VGPRs; block_k 64 spills SGPRs), the drafter
-    tile [64, 128] block_k 32 on 8 warps (~136 VGPRs), and the verify tile [128, 256] needs block_k 16
+    (M * H <= 16 * 256) runs block_k 32 on 4 warps (~121 VGPRs; block_k 64 spills SGPRs), the drafter
+    tile [64, 128] block_k 32 on 8 warps (~138 VGPRs), and the verify tile [128, 256] needs block_k 16
     on 8 warps to keep its f32 accumulator in registers (~206 VGPRs; block_k 32 spills VGPRs, 16
     warps spill too). Split-K fills the GPU (~256 programs for 256 CUs) when B * K is small, but
     keeps >= 8 key blocks per split so the f32 partials stay small next to the K/V bytes.
