@@ -186,12 +186,6 @@ def _verify_block(q, k, v, g, beta, state):
 
 def gdn_chunked_reference(q, k, v, g, beta, state, *, chunk=64):
     """Chunked (WY/UT) form of the same recurrence, for long inputs; same contract as the recurrence."""
-    o, _, state = _chunked(q, k, v, g, beta, state, chunk)
-    return o, state
-
-
-def _chunked(q, k, v, g, beta, state, chunk):
-    """The WY/UT form: (o, u, final state), o and u [B, T, Hv, Dv] f32 (u: the writes, as the recurrence's)."""
     B, T, _, Dk = k.shape
     Hv, Dv = v.shape[2], v.shape[3]
     pad = -T % chunk
@@ -225,12 +219,11 @@ def _chunked(q, k, v, g, beta, state, chunk):
         last = gc_c[..., -1:]
         S = jnp.exp(last)[..., None] * S + jnp.einsum(
             "bhik,bhiv->bhkv", k_c * jnp.exp(last - gc_c)[..., None], v_new, precision=HIGHEST)
-        return S, (o, v_new)
+        return S, o
 
     xs = [jnp.moveaxis(x, 2, 0) for x in (q, k, u, w, qk, gc)]
-    state, outs = jax.lax.scan(step, state.astype(jnp.float32), xs)  # each [Nc, B, H, C, Dv]
-    o, writes = (jnp.moveaxis(jnp.moveaxis(x, 0, 2).reshape(B, Hv, nc * chunk, Dv)[:, :, :T], 1, 2) for x in outs)
-    return o, writes, state
+    state, o = jax.lax.scan(step, state.astype(jnp.float32), xs)  # o [Nc, B, H, C, Dv]
+    return jnp.moveaxis(jnp.moveaxis(o, 0, 2).reshape(B, Hv, nc * chunk, Dv)[:, :, :T], 1, 2), state
 
 
 # ---------------------------------------------------------------------------------------------
