@@ -55,6 +55,21 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` as int32 (the first NaN's index if there is one, else the first
+    peak's), from two plain reductions: XLA's CPU argmax is a serial (value, index) reduction, ~6x
+    slower than a max and a min over the vocabulary (31 vs 5 us for [16, 512]).
+
+    One int32 min ranks a NaN at its index, a peak at V + its index, the rest at 2V (peaks found with
+    NaNs read as -inf, so a max that drops or keeps NaNs gives the same answer)."""
+    V = x.shape[-1]
+    nan = jnp.isnan(x)
+    peak = jnp.max(jnp.where(nan, -jnp.inf, x), axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    rank = jnp.min(jnp.where(nan, iota, jnp.where(x == peak, V + iota, 2 * V)), axis=-1)
+    return jnp.where(rank >= V, rank - V, rank)
+
+
 def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """Sampling distribution [..., V] (f32) after temperature, top-k and top-p."""
     x = logits.astype(jnp.float32) / cfg.temperature
@@ -78,14 +93,14 @@ def _categorical(key, p):
 def choose(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
     """One token per row from logits [B, V] with per-row keys [B] -> [B] int32."""
     if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.vmap(_categorical)(keys, probs(logits, cfg)).astype(jnp.int32)
 
 
 def draft_tokens(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
     """Drafts from draft logits [B, k, V]: (tokens [B, k], q [B, k, V] or None when q is one-hot)."""
     if cfg.greedy or cfg.draft_mode == "greedy":
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return argmax(logits), None
     q = probs(logits, cfg)
     tokens = jax.vmap(lambda key, qb: jax.vmap(_categorical)(jax.random.split(key, qb.shape[0]), qb))(keys, q)
     return tokens.astype(jnp.int32), q
@@ -104,7 +119,7 @@ def accept(drafts: jax.Array, draft_probs: jax.Array | None, target_logits: jax.
     """
     B, k = drafts.shape
     if cfg.greedy:
-        best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+        best = argmax(target_logits)  # [B, k+1]
         a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1).astype(jnp.int32)
         return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
     p = probs(target_logits, cfg)  # [B, k+1, V]
