@@ -279,11 +279,14 @@ class GatedDeltaNet(nnx.Module):
     def _prepare(self, x, conv_window, *, speculative: bool):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).
 
-        ``speculative`` (verify's T <= block tokens) computes the causal conv as a contraction over the
-        taps instead of a sum of shifted products: XLA on CPU fuses such a sum into every consumer, and
-        the commit's state update [B, Hv, Dk, Dv] then recomputed the conv (and the q/k/v slicing) for
-        each of its Dk x Dv elements: ~1/4 of a plain-decoding step on the shipped target. On prompts
-        the sum is ~20% faster (the stacked windows cost a copy), so prefill keeps it.
+        ``speculative`` (verify's T <= block tokens) on the XLA path (kernels "reference") computes the
+        causal conv as a contraction over the taps instead of a sum of shifted products: XLA on CPU fuses
+        such a sum into every consumer, and the commit's state update [B, Hv, Dk, Dv] then recomputed the
+        conv (and the q/k/v slicing) for each of its Dk x Dv elements: ~1/4 of a plain-decoding step on
+        the shipped target. Everywhere else the sum: on prompts it is ~20% faster (the stacked windows
+        cost a copy), and on the Pallas path the conv's outputs feed kernels, which take them
+        materialized, while the stack would read and write four windows of inputs per token in HBM
+        (Qwen3.5-27B, batch 32: the verify's bytes 1.135x a decode's with it, perf_model).
 
         Channels are head-grouped (``gdn_channel_order``): C = Hk groups of [q (Dk) | k (Dk) | v (r*Dv)].
         Returns q, k [B,T,Hk,Dk] (L2-normalised, q scaled), v [B,T,Hv,Dv], g, beta [B,T,Hv] f32,
@@ -298,7 +301,7 @@ class GatedDeltaNet(nnx.Module):
         w = self.conv1d.weight[...][:, 0, :]  # [C, K]; tap K-1 multiplies the current token
         taps = w.shape[1]
         windows = [full[:, j:j + T, :] for j in range(taps)]
-        if speculative:  # a contraction, which XLA materializes (see the docstring)
+        if speculative and self.kernels == "reference":  # a contraction, which XLA materializes (docstring)
             y = jnp.einsum("btjc,cj->btc", jnp.stack(windows, 2), w)
         else:
             y = sum(window * w[:, j] for j, window in enumerate(windows))

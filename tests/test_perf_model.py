@@ -47,6 +47,7 @@ def test_step_programs_match_the_roofline():
     cfg = synthetic.target_config(SMALL[0])
     decode = roofline.step_cost(cfg, None, block=1, context=256).bytes
     assert progs["decode"].fused_bytes == pytest.approx(decode, rel=0.1)
-    # one verify of 16 tokens reads the weights once, like one decode step
-    assert progs["verify"].fused_bytes / progs["decode"].fused_bytes < 1.15
+    # one verify of 16 tokens reads the weights once, like one decode step: 1.03x here (the GDN conv as a
+    # contraction over stacked windows, the CPU's form, read 4 inputs per token on this path: 1.07x)
+    assert progs["verify"].fused_bytes / progs["decode"].fused_bytes < 1.05
     assert progs["verify"].flops == pytest.approx(roofline.target_cost(cfg, tokens=16, context=256).flops, rel=0.1)
