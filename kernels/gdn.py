@@ -120,7 +120,10 @@ def gdn_replay_reference(k, u, g, state, n):
     total = G[:, -1]  # [B, Hv]: the kept tokens' log-decay
     weight = jnp.where(keep[..., None], jnp.exp(total[:, None] - G), 0.0)  # [B, T, Hv]
     k = _expand_heads(k, u.shape[2]) * weight[..., None]  # [B, T, Hv, Dk]
-    update = jnp.einsum("bthk,bthv->bhkv", k, u.astype(jnp.float32), precision=HIGHEST)
+    u = u.astype(jnp.float32)
+    if k.shape[1] == 1:  # a zero second token: XLA turns a 1-long contraction into a fused outer product
+        k, u = (jnp.pad(x, ((0, 0), (0, 1), (0, 0), (0, 0))) for x in (k, u))
+    update = jnp.einsum("bthk,bthv->bhkv", k, u, precision=HIGHEST)
     return jnp.exp(total)[..., None, None] * state.astype(jnp.float32) + update
 
 
