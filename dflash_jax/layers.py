@@ -280,13 +280,14 @@ class GatedDeltaNet(nnx.Module):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).
 
         ``speculative`` (verify's T <= block tokens) on the XLA path (kernels "reference") computes the
-        causal conv as a contraction over the taps instead of a sum of shifted products: XLA on CPU fuses
-        such a sum into every consumer, and the commit's state update [B, Hv, Dk, Dv] then recomputed the
-        conv (and the q/k/v slicing) for each of its Dk x Dv elements: ~1/4 of a plain-decoding step on
-        the shipped target. Everywhere else the sum: on prompts it is ~20% faster (the stacked windows
-        cost a copy), and on the Pallas path the conv's outputs feed kernels, which take them
-        materialized, while the stack would read and write four windows of inputs per token in HBM
-        (Qwen3.5-27B, batch 32: the verify's bytes 1.135x a decode's with it, perf_model).
+        causal conv as a contraction over the taps, which XLA materializes, instead of a sum of shifted
+        products, which XLA on CPU fuses into every consumer. It was ~1/4 of a plain-decoding step while
+        the one-token commit fused its inputs into the state update per element (``gdn_replay_reference``
+        now keeps that a dot); since then it is 1-2% faster per step on the shipped pair (2026-12-02,
+        within noise). Everywhere else the sum: on prompts it is ~20% faster (the stacked windows cost a
+        copy), and on the Pallas path the conv's outputs feed kernels, which take them materialized, while
+        the stack would read and write four windows of inputs per token in HBM (Qwen3.5-27B, batch 32: the
+        verify's bytes 1.135x a decode's with it, 1.055x without; perf_model).
 
         Channels are head-grouped (``gdn_channel_order``): C = Hk groups of [q (Dk) | k (Dk) | v (r*Dv)].
         Returns q, k [B,T,Hk,Dk] (L2-normalised, q scaled), v [B,T,Hv,Dv], g, beta [B,T,Hv] f32,

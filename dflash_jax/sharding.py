@@ -13,7 +13,7 @@ count: without a mesh (or on a 1x1x1 one) the code is the single-device code.
 The mesh has three axes (``AXES``): ``data`` splits batch rows (data parallel), ``model`` splits
 heads, MLP width and vocabulary (tensor parallel, Megatron style: column-parallel in-projections,
 row-parallel out-projections, so each layer costs one all-reduce of its [B, T, D] output; the
-vocab-parallel LM head's argmax reduces per-shard (max, index) pairs, never the logits), and
+vocab-parallel LM head's greedy argmax reduces a per-shard max and first index, never the logits), and
 ``expert`` splits the routed experts together with ``model``. Logical axes (``RULES``) name what a
 tensor dimension is; ``PARAMS`` and ``CACHES`` give every parameter and cache field its logical axes, once.
 
