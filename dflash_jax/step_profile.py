@@ -30,6 +30,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from dflash_jax import bench, runtime
+from dflash_jax.speculative import SpecConfig, bucket_for, pad_prompts
+from dflash_jax.workloads import load_turns
+
 TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
 _CONTROL = ("while", "conditional", "call")  # their bodies' ops are traced one by one
 _MATMUL = ("dot", "convolution")
@@ -191,8 +195,6 @@ def format_profile(p: StepProfile, top: int = 15) -> str:
 def untraced(loop, params, tokens, lengths, rng, method, target, drafter, context: int, repeats: int = 7) -> str:
     """The same decode untraced beside its matmul floor (not for MTP: its head is not in the floor model),
     as ``bench`` pairs them: each run's seconds per step over the floor window timed right after it."""
-    from dflash_jax import bench
-
     floor = None if method.kind == "mtp" else bench.floor_timer(
         method, target.cfg, None if drafter is None else drafter.cfg, batch=1, context=context, dtype="float32")
     steps, ratios = [], []
@@ -218,10 +220,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if TRACE_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
-
-    from dflash_jax import bench, runtime
-    from dflash_jax.speculative import SpecConfig, bucket_for, pad_prompts
-    from dflash_jax.workloads import load_turns
 
     method = runtime.parse_method(args.method, "--method")
     target_dir, draft_dir = runtime.model_dirs(None, None)
