@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.config import TargetConfig
-from dflash_jax.kernels.attention import cache_shapes
+from dflash_jax.kernels.attention import empty_cache
 from dflash_jax.rope import table
 
 
@@ -60,12 +60,16 @@ def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCac
     layers = []
     for kind in cfg.layer_types:
         if kind == "full_attention":
-            shapes = cache_shapes(batch, capacity, cfg.num_key_value_heads, cfg.head_dim)
-            layers.append(AttentionCache(*(jnp.zeros(shape, dtype) for shape in shapes)))
+            layers.append(AttentionCache(*empty_cache(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)))
         else:
             layers.append(GDNCache(
                 conv=jnp.zeros((batch, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype),
                 state=jnp.zeros((batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                  cfg.linear_value_head_dim), jnp.float32)))
     return TargetCache(lengths=jnp.zeros((batch,), jnp.int32), layers=tuple(layers),
-                       rope=table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling))
+                       rope=position_table(cfg, capacity))
+
+
+def position_table(cfg: TargetConfig, capacity: int) -> jax.Array:
+    """The target's RoPE cos/sin of positions [0, capacity) (``rope.table``), for its cache and its MTP head's."""
+    return table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)

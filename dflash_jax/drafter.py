@@ -347,8 +347,8 @@ class DraftCache:
 
 def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> DraftCache:
     """An empty cache. Capacity must cover the longest context plus one block (its rows are written)."""
-    k, v = (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-            for shape in kernels.cache_shapes(batch, capacity, cfg.num_key_value_heads, cfg.head_dim))
+    k, v = zip(*(kernels.empty_cache(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                 for _ in range(cfg.num_hidden_layers)), strict=True)
     return DraftCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
                       rope=table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling))
 

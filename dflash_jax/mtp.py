@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import rope, sharding
-from dflash_jax.cache import AttentionCache
+from dflash_jax.cache import AttentionCache, position_table
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
-from dflash_jax.kernels.attention import cache_shapes
+from dflash_jax.kernels.attention import empty_cache
 from dflash_jax.proposers import TargetView
 from dflash_jax.sampling import SamplingConfig, draft_tokens
 from dflash_jax.target import MTP, Target, TargetOutput
@@ -129,11 +129,10 @@ class MTPProposer:
         """
         mtp = self.head(params)
         cfg, B = self.cfg, prompt_lens.shape[0]
-        kc, vc = (jnp.zeros(shape, prefill.hidden.dtype)
-                  for shape in cache_shapes(B, capacity, cfg.num_key_value_heads, cfg.head_dim))
+        kc, vc = empty_cache(B, capacity, cfg.num_key_value_heads, cfg.head_dim, prefill.hidden.dtype)
         # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.
         shifted = jnp.pad(jnp.asarray(prompts, jnp.int32)[:, 1:], ((0, 0), (0, 1)))
-        tab = rope.table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+        tab = position_table(cfg, capacity)
         _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kc, vc, jnp.zeros((B,), jnp.int32), tab)
         last = jnp.take_along_axis(prefill.hidden, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, D]
         W = self.max_block

@@ -12,6 +12,7 @@ from dflash_jax.kernels.attention import (
     attention_pallas,
     attention_reference,
     cache_shapes,
+    empty_cache,
     write_cache,
 )
 from dflash_jax.kernels.dispatch import MODES, default_mode, resolve
@@ -40,9 +41,9 @@ from dflash_jax.kernels.mxfp4 import (
 
 __all__ = [
     "MODES", "AttentionBlocks", "ChunkedBlocks", "GroupedBlocks", "Mxfp4Blocks", "RecurrentBlocks", "attention",
-    "attention_pallas", "attention_reference", "cache_shapes", "default_mode", "dequantize_mxfp4", "gdn_chunked",
-    "gdn_chunked_pallas", "gdn_chunked_reference", "gdn_recurrent_reference", "gdn_replay", "gdn_replay_pallas",
-    "gdn_replay_reference", "gdn_verify", "gdn_verify_pallas", "gdn_verify_reference", "grouped_matmul",
-    "grouped_matmul_pallas", "grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference", "quantize_mxfp4",
-    "resolve", "write_cache",
+    "attention_pallas", "attention_reference", "cache_shapes", "default_mode", "dequantize_mxfp4", "empty_cache",
+    "gdn_chunked", "gdn_chunked_pallas", "gdn_chunked_reference", "gdn_recurrent_reference", "gdn_replay",
+    "gdn_replay_pallas", "gdn_replay_reference", "gdn_verify", "gdn_verify_pallas", "gdn_verify_reference",
+    "grouped_matmul", "grouped_matmul_pallas", "grouped_matmul_reference", "mxfp4_matmul", "mxfp4_matmul_reference",
+    "quantize_mxfp4", "resolve", "write_cache",
 ]

@@ -49,6 +49,11 @@ def cache_shapes(batch: int, capacity: int, kv_heads: int, head_dim: int) -> tup
     return (batch, kv_heads, capacity, head_dim), (batch, kv_heads, head_dim, capacity)
 
 
+def empty_cache(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """A zero K and V cache (``cache_shapes``)."""
+    return tuple(jnp.zeros(shape, dtype) for shape in cache_shapes(batch, capacity, kv_heads, head_dim))
+
+
 def write_cache(k_cache, v_cache, k, v, start):
     """The caches with k, v [B, T, K, H] written at positions start[b] + t of row b (per-row offsets)."""
     def put(cache, new, s, axis):

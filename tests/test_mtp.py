@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-from dflash_jax import kernels, rope
+from dflash_jax import kernels
+from dflash_jax.cache import position_table
 from dflash_jax.checkpoint import write_safetensors
 from dflash_jax.config import TargetConfig
 from dflash_jax.mtp import MTPProposer, mtp_params, mtp_step
@@ -94,14 +95,12 @@ def _prompts(vocab, seed=0):
 @functools.partial(jax.jit, static_argnames="graphdef")
 def _mtp_step(graphdef, params, tokens, hidden, k_cache, v_cache, start):
     model = nnx.merge(graphdef, params)
-    cfg = model.cfg
-    tab = rope.table(k_cache.shape[2], theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
-    return mtp_step(model.mtp, TargetView.of(params), tokens, hidden, k_cache, v_cache, start, tab)
+    return mtp_step(model.mtp, TargetView.of(params), tokens, hidden, k_cache, v_cache, start,
+                    position_table(model.cfg, k_cache.shape[2]))
 
 
 def _zeros_cache(cfg, B, S):
-    shapes = kernels.cache_shapes(B, S, cfg.num_key_value_heads, cfg.head_dim)
-    return [jnp.zeros(shape, jnp.float32) for shape in shapes]
+    return list(kernels.empty_cache(B, S, cfg.num_key_value_heads, cfg.head_dim, jnp.float32))
 
 
 # ---- numpy reference of the MTP formulas (Qwen3.5 norms, gated attention, partial NeoX RoPE, SwiGLU) ----

@@ -17,7 +17,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dflash_jax import kernels, rope
+from dflash_jax import kernels
+from dflash_jax.cache import position_table
 from dflash_jax.mtp import mtp_step
 from dflash_jax.proposers import TargetView
 from dflash_jax.target import Qwen35ForCausalLM, Target
@@ -34,10 +35,9 @@ def mtp_loss_fn(graphdef, prompt_len: int):
         model = nnx.merge(graphdef, mtp_params, jax.lax.stop_gradient(rest))
         B, L = tokens.shape
         cfg = model.cfg
-        kc, vc = (jnp.zeros(shape, hidden.dtype)
-                  for shape in kernels.cache_shapes(B, L - 1, cfg.num_key_value_heads, cfg.head_dim))
+        kc, vc = kernels.empty_cache(B, L - 1, cfg.num_key_value_heads, cfg.head_dim, hidden.dtype)
         view = TargetView.of(nnx.state(model))
-        tab = rope.table(L - 1, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim, scaling=cfg.rope_scaling)
+        tab = position_table(cfg, L - 1)
         out, _, _ = mtp_step(model.mtp, view, tokens[:, 1:], hidden[:, :-1], kc, vc, jnp.zeros((B,), jnp.int32), tab)
         logits = model.logits(out[:, :-1]).astype(jnp.float32)  # entry t predicts x_{t+2}: [B, L-2, V]
         labels = tokens[:, 2:]
