@@ -12,7 +12,9 @@ clock starts only after the previous work is waited on; methods alternate order 
 and repeat to repeat, so machine drift hits all alike; each figure is the median over ``--repeats``
 whole passes, with the spread. The per-step split into draft / verify / commit times the loop's
 public phases ``draft``, ``check`` and ``settle`` one by one (each waited on), on the states the
-loop's own ``step`` produces, each phase updating its state in place as the fused step does.
+loop's own ``step`` produces, each phase updating its state in place as the fused step does, and each
+as it costs inside a loop: its program run once and ``PHASE_REPEATS`` times, the difference per repeat,
+so what every call costs (and the fused loop never pays) is left out.
 ``--simulate-acceptance`` replaces the drafts by the plain-decoding
 output with an error at fixed offsets (``OracleProposer``), while the real proposer still runs, so
 tau is fixed and only kernel and loop cost differ. Beside each step time, its floor: one program running
@@ -313,39 +315,94 @@ def format_comparison(c: dict) -> str:
     return "\n".join(lines) + "]"
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _draft(loop, params, proposer_state, rest):
-    """``loop.draft`` with the proposer state donated (``rest``: the state without it and the cache)."""
-    return loop.draft(params, dataclasses.replace(rest, proposer=proposer_state))
+# A phase's time is its cost inside a loop: each phase's program runs it once, then ``extra`` more times
+# in a while loop; (seconds with PHASE_REPEATS - 1 extra) - (seconds with none), over PHASE_REPEATS - 1.
+# The difference removes what every call costs whatever it computes (argument handling, dispatch, the
+# wait: ~0.3 ms here for a jitted sum taking the same arguments, more than MTP's whole 3-step draft),
+# which the fused loop never pays.
+PHASE_REPEATS = 8
+
+
+def _repeat(body, params, carry, n):
+    """``carry = body(params, carry)`` n ([] int32, traced) times in a while loop. Params and carry pass an
+    optimization barrier first, so XLA cannot hoist the work that reads only unchanged inputs out of the
+    loop (in the fused loop every step's inputs are new)."""
+    return jax.lax.fori_loop(0, n, lambda _, c: body(*jax.lax.optimization_barrier((params, c))), carry)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
-def _check(loop, params, cache, rest, draft):
-    """``loop.check`` with the target cache donated: verify writes its K/V rows in place."""
-    return loop.check(params, dataclasses.replace(rest, cache=cache), draft)
+def _draft(loop, params, proposer_state, rest, extra):
+    """``loop.draft`` 1 + extra times, each from the proposer state the last returned (``rest``: the state
+    without it and the cache); the proposer state is donated and updated in place. Each repeat's whole
+    result is carried, so none of its work is dead."""
+    def once(p, c):
+        r, d = c
+        return r, loop.draft(p, dataclasses.replace(r, proposer=d.proposer))
+    draft = loop.draft(params, dataclasses.replace(rest, proposer=proposer_state))
+    return _repeat(once, params, (rest, draft), extra)[1]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _check(loop, params, cache, rest, draft, extra):
+    """``loop.check`` 1 + extra times, each on the cache the last returned (verify reads none of its pending
+    inputs); the target cache is donated: verify writes its K/V rows in place."""
+    def once(p, c):
+        r, d, v = c
+        return r, d, loop.check(p, dataclasses.replace(r, cache=v.cache), d)
+    verified = loop.check(params, dataclasses.replace(rest, cache=cache), draft)
+    return _repeat(once, params, (rest, draft, verified), extra)[2]
+
+
+def _with_pending(cache, pending: tuple):
+    """``cache`` with each Gated DeltaNet layer's ``pending`` replaced by ``pending``'s (None clears it)."""
+    return dataclasses.replace(cache, layers=tuple(
+        dataclasses.replace(c, pending=q) if hasattr(c, "pending") else c
+        for c, q in zip(cache.layers, pending, strict=True)))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
-def _settle(loop, params, rest, draft, verified):
-    """``loop.settle`` (it reads neither the old cache nor the old proposer state) with its inputs donated."""
-    return loop.settle(params, rest, draft, verified)
+def _settle(loop, params, rest, draft, verified, extra):
+    """``loop.settle`` 1 + extra times, each on the state the last returned: that state's cache (given the
+    verified inputs pending again) and proposer state stand in for the verified cache and the draft's, so
+    both are updated in place, never copied. The inputs are donated (settle reads neither the old cache nor
+    the old proposer state)."""
+    def once(p, c):
+        s, d, v, pending = c
+        s = loop.settle(p, s, dataclasses.replace(d, proposer=s.proposer),
+                        dataclasses.replace(v, cache=_with_pending(s.cache, pending)))
+        return s, d, v, pending
+    pending = tuple(getattr(c, "pending", None) for c in verified.cache.layers)
+    state = dataclasses.replace(rest, cache=_with_pending(verified.cache, (None,) * len(pending)),
+                                proposer=draft.proposer)
+    draft, verified = dataclasses.replace(draft, proposer=None), dataclasses.replace(verified, cache=None)
+    return _repeat(once, params, (state, draft, verified, pending), 1 + extra)[0]
 
 
-def timed_phases(loop: SpeculativeLoop, params, state, clock=time.perf_counter) -> np.ndarray:
-    """Seconds of [draft, verify, commit] of one step from ``state``, each phase its own program, waited on.
+def _phases(loop, params, state, extra: int, clock) -> np.ndarray:
+    """Seconds of [draft, verify, commit] from ``state``, each phase run 1 + extra times in its own program,
+    waited on. They consume a copy of ``state`` (made untimed), which stays usable."""
+    s = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+    rest, extra = dataclasses.replace(s, cache=None, proposer=None), jnp.int32(extra)
+    t0 = clock()
+    d = jax.block_until_ready(_draft(loop, params, s.proposer, rest, extra))
+    t1 = clock()
+    verified = jax.block_until_ready(_check(loop, params, s.cache, rest, d, extra))
+    t2 = clock()
+    jax.block_until_ready(_settle(loop, params, rest, d, verified, extra))
+    return np.asarray([t1 - t0, t2 - t1, clock() - t2])
+
+
+def timed_phases(loop: SpeculativeLoop, params, state, clock=time.perf_counter,
+                 repeats: int = PHASE_REPEATS) -> np.ndarray:
+    """Seconds of [draft, verify, commit] of one step from ``state``, as inside a loop (``PHASE_REPEATS``):
+    each phase's programs run once and ``repeats`` times, and the difference over ``repeats - 1`` is kept.
 
     As in the fused step, each phase updates the state parts it replaces in place (donated), so no phase
-    pays for copying a cache; they consume a copy of ``state`` (made untimed), which stays usable.
+    pays for copying a cache; a repeat sees the state the one before it left: the same shapes and the same
+    work (commit moves the positions on; nothing it computes depends on how far). ``state`` stays usable.
     """
-    s = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-    rest = dataclasses.replace(s, cache=None, proposer=None)
-    t0 = clock()
-    d = jax.block_until_ready(_draft(loop, params, s.proposer, rest))
-    t1 = clock()
-    verified = jax.block_until_ready(_check(loop, params, s.cache, rest, d))
-    t2 = clock()
-    jax.block_until_ready(_settle(loop, params, rest, d, verified))
-    return np.asarray([t1 - t0, t2 - t1, clock() - t2])
+    once = _phases(loop, params, state, 0, clock)
+    return (_phases(loop, params, state, repeats - 1, clock) - once) / (repeats - 1)
 
 
 def profile(loop: SpeculativeLoop, params, tokens, lengths, rng, clock=time.perf_counter) -> np.ndarray:
@@ -421,6 +478,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             phase[m] = np.concatenate([np.zeros((0, 3))] + [
                 profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
                 for b in range(min(args.profile_batches, len(padded)))])
+        drafts = {} if drafter is None else draft_floors(methods, target.cfg, drafter.cfg, batch=conc,
+                                                          context=context, dtype=args.dtype)
         ar = timing[runtime.AR]
         rows = sum(len(b) for b in batches)
         n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
@@ -434,7 +493,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             same = [x == a for x, a in zip(texts, ar_texts, strict=True)]
             ratio = speedups(t, ar, n, n_ar, rows)
             tau = float(np.mean(tau_rows))
-            per_step = np.median(phase[m], axis=0) if len(phase[m]) else np.zeros(3)  # robust to slow spells
+            # the median is robust to slow spells; below zero (noise about a phase doing nothing) reads 0
+            per_step = np.maximum(np.median(phase[m], axis=0), 0.0) if len(phase[m]) else np.zeros(3)
             # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
             iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
             loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
@@ -456,6 +516,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
                 step_ms=dict(zip(("draft", "verify", "commit"), (per_step * 1e3).round(4).tolist(),
                                  strict=True)),
+                draft_floor_ms=round(drafts[m] * 1e3, 4) if m in drafts else None,
                 profiled_steps=len(phase[m]), loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
                 floor_ms=None if floor_ms is None else round(floor_ms, 4),
                 floor_x=None if floor_x is None else round(floor_x, 3),
@@ -470,6 +531,19 @@ def floor_timer(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, 
     at their own shapes (``roofline.step_floor_timer``); not for MTP (its sequential head is not modelled)."""
     return roofline.step_floor_timer(target_cfg, drafter_cfg if method.kind == "dflash" else None,
                                      block=method.block, batch=batch, context=context, dtype=jnp.dtype(dtype))
+
+
+def draft_floors(methods, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str,
+                 repeats: int = 7) -> dict:
+    """{DFlash method: median seconds of its draft phase's floor} (``roofline.draft_floor_timer``), the
+    methods' windows taking turns, the order reversed every round, so drift hits all alike."""
+    timers = {m: roofline.draft_floor_timer(target_cfg, drafter_cfg, block=m.block, batch=batch, context=context,
+                                            dtype=jnp.dtype(dtype)) for m in methods if m.kind == "dflash"}
+    times = {m: [] for m in timers}
+    for r in range(repeats):
+        for m in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
+            times[m].append(timers[m]())
+    return {m: statistics.median(t) for m, t in times.items()}
 
 
 def paired_floor(paired) -> tuple[float | None, float | None]:
@@ -503,6 +577,12 @@ def format_goals(results: list[dict]) -> str:
                 den = by[b]["step_ms"]["draft"]
                 value = by[a]["step_ms"]["draft"] / den if den > 0 else None
                 detail = f"{by[a]['step_ms']['draft']:.2f} ms / {den:.2f} ms"
+                floors = by[a].get("draft_floor_ms"), by[b].get("draft_floor_ms")
+                if None not in floors:
+                    floor_ratio = floors[0] / floors[1]
+                    detail += f"; its matmuls alone: {floor_ratio:.2f}x"
+                    if floor_ratio > limit:
+                        detail += ", above the goal on this machine"
             if value is None:
                 continue
             met = value <= limit if sense == "<=" else value >= limit
@@ -600,8 +680,11 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "methods alternate order (A B | B A); speedup_spread.ci: the median's 95% interval; compile_s (first "
           "run less a warm run) is excluded. ceiling: the "
           "speed-up this machine allows at the measured tau (roofline.measured_ceiling; DFlash only). step_ms: "
-          "per-step draft / verify / accept+commit from the loop's public phases timed one by one, the median "
-          "step of the first profile_batches batches. loop_step_ms: median decode seconds / while-loop "
+          "per-step draft / verify / accept+commit from the loop's public phases timed one by one as inside a loop "
+          "(each phase's program run 1 and PHASE_REPEATS times, the difference per repeat: a call's fixed cost "
+          "excluded), the median step of the first profile_batches batches; draft_floor_ms: the draft "
+          "phase's matmuls alone in one program (roofline.draft_floor_timer), DFlash only. "
+          "loop_step_ms: median decode seconds / while-loop "
           "iterations (the fused "
           "step as it runs); floor_ms: the median time of one program running exactly the step's matmuls at "
           "their own shapes, each weight a distinct buffer of its real size (roofline.step_floor_timer), one "

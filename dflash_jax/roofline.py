@@ -229,15 +229,25 @@ def _lm_head(cfg: TargetConfig, rows: float, itemsize: int) -> Cost:
 
 def drafter_cost(cfg: DrafterConfig, target: TargetConfig, *, block: int, batch: int = 1, context: int = 0,
                  dtype=jnp.bfloat16) -> Cost:
-    """The drafter's part of one DFlash step: context K/V for the ``block`` verified tokens, one pass
-    over the block's positions, and the target's LM head on the block - 1 draft rows."""
+    """The drafter's part of one DFlash step: context K/V for the ``block`` verified tokens (the commit's
+    part) and ``draft_cost`` (the draft phase's)."""
+    size = jnp.dtype(dtype).itemsize
+    D, m, KH = cfg.hidden_size, batch * block, cfg.num_key_value_heads * cfg.head_dim
+    cost = _linear(m, len(cfg.target_layer_ids) * cfg.target_hidden_size, D, size)  # fc over the taps
+    for _ in range(cfg.num_hidden_layers):  # weights re-read by the block pass
+        cost += _linear(m, D, KH, size) + _linear(m, D, KH, size)
+    return cost + draft_cost(cfg, target, block=block, batch=batch, context=context, dtype=dtype)
+
+
+def draft_cost(cfg: DrafterConfig, target: TargetConfig, *, block: int, batch: int = 1, context: int = 0,
+               dtype=jnp.bfloat16) -> Cost:
+    """The draft phase: the drafter's pass over the block's positions and the target's LM head on the
+    block - 1 draft rows."""
     size = jnp.dtype(dtype).itemsize
     D, m = cfg.hidden_size, batch * block
     N, K, H = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cost = _linear(m, len(cfg.target_layer_ids) * cfg.target_hidden_size, D, size)  # fc over the taps
+    cost = Cost(0.0)
     for _ in range(cfg.num_hidden_layers):
-        # context K/V of the verified tokens (weights re-read by the block pass below)
-        cost += _linear(m, D, K * H, size) + _linear(m, D, K * H, size)
         cost += _linear(m, D, N * H, size) + _linear(m, D, K * H, size) + _linear(m, D, K * H, size)  # q, k, v
         cost += _attention_core(batch, block, context, N, K, H, size) + _linear(m, N * H, D, size)
         cost += _mlp(m, D, cfg.intermediate_size, size)
@@ -305,4 +315,12 @@ def step_floor_timer(target: TargetConfig, drafter: DrafterConfig | None, *, blo
     writes, the acceptance rule and the loop's control.
     """
     cost = step_cost(target, drafter, block=block, batch=batch, context=context, dtype=dtype)
+    return _timer(cost.matmuls, jnp.dtype(dtype).name, window_s)
+
+
+def draft_floor_timer(target: TargetConfig, drafter: DrafterConfig, *, block: int, batch: int = 1,
+                      context: int = 0, dtype=jnp.float32, window_s: float = 0.05):
+    """The draft phase's floor, as ``step_floor_timer`` times the step's: its matmuls (``draft_cost``) in
+    one program, one window per call, seconds per run."""
+    cost = draft_cost(drafter, target, block=block, batch=batch, context=context, dtype=dtype)
     return _timer(cost.matmuls, jnp.dtype(dtype).name, window_s)

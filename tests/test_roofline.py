@@ -154,6 +154,8 @@ def test_step_matmuls_are_the_modules_shapes():
                M(4, 64, 128), M(4, 64, 128), M(4, 128, 64),
                M(3, 64, 256)]  # the target's head on the 3 draft rows
     assert roofline.step_cost(HAND, HAND_DRAFT, block=4, context=10).matmuls == tuple(target + drafter)
+    # the draft phase: the drafter's pass and the head, without the commit's fc and context K/V
+    assert roofline.draft_cost(HAND_DRAFT, HAND, block=4, context=10).matmuls == tuple(drafter[3:])
 
 
 @pytest.fixture
