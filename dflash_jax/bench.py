@@ -435,8 +435,22 @@ def _oracle(ar_tokens, block: int, accepted: tuple[int, ...]) -> OracleParams:
                                                                       jnp.int32))
 
 
+def _cpu_model() -> str | None:
+    """The CPU's model name and its widest vector extension (Linux's /proc/cpuinfo; None elsewhere): the
+    floors and the ratios above them differ between the machines a CI kind is given."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), None)
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    simd = next((f for f in ("avx512f", "avx2", "avx") if f in flags), None)
+    return " ".join(x for x in (name, simd and f"({simd})") if x) or None
+
+
 def _machine() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": _cpu_model(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "jax": jax.__version__,
             "jaxlib": metadata.version("jaxlib"),
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
