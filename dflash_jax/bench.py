@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import atomic, roofline, runtime, sharding
+from dflash_jax.cache import split_pending, with_pending
 from dflash_jax.proposers import OracleParams, OracleProposer
 from dflash_jax.sampling import SamplingConfig
 from dflash_jax.speculative import FinishReason, SpecConfig, SpeculativeLoop, bucket_for, pad_prompts
@@ -318,8 +319,8 @@ def format_comparison(c: dict) -> str:
 # A phase's time is its cost inside a loop: each phase's program runs it once, then ``extra`` more times
 # in a while loop; (seconds with PHASE_REPEATS - 1 extra) - (seconds with none), over PHASE_REPEATS - 1.
 # The difference removes what every call costs whatever it computes (argument handling, dispatch, the
-# wait: ~0.3 ms here for a jitted sum taking the same arguments, more than MTP's whole 3-step draft),
-# which the fused loop never pays.
+# wait: 0.3-1.5 ms a call on the CI machines, as much as MTP's whole 3-step draft), which the fused loop
+# never pays.
 PHASE_REPEATS = 8
 
 
@@ -353,13 +354,6 @@ def _check(loop, params, cache, rest, draft, extra):
     return _repeat(once, params, (rest, draft, verified), extra)[2]
 
 
-def _with_pending(cache, pending: tuple):
-    """``cache`` with each Gated DeltaNet layer's ``pending`` replaced by ``pending``'s (None clears it)."""
-    return dataclasses.replace(cache, layers=tuple(
-        dataclasses.replace(c, pending=q) if hasattr(c, "pending") else c
-        for c, q in zip(cache.layers, pending, strict=True)))
-
-
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2, 3, 4))
 def _settle(loop, params, rest, draft, verified, extra):
     """``loop.settle`` 1 + extra times, each on the state the last returned: that state's cache (given the
@@ -369,11 +363,10 @@ def _settle(loop, params, rest, draft, verified, extra):
     def once(p, c):
         s, d, v, pending = c
         s = loop.settle(p, s, dataclasses.replace(d, proposer=s.proposer),
-                        dataclasses.replace(v, cache=_with_pending(s.cache, pending)))
+                        dataclasses.replace(v, cache=with_pending(s.cache, pending)))
         return s, d, v, pending
-    pending = tuple(getattr(c, "pending", None) for c in verified.cache.layers)
-    state = dataclasses.replace(rest, cache=_with_pending(verified.cache, (None,) * len(pending)),
-                                proposer=draft.proposer)
+    cache, pending = split_pending(verified.cache)
+    state = dataclasses.replace(rest, cache=cache, proposer=draft.proposer)
     draft, verified = dataclasses.replace(draft, proposer=None), dataclasses.replace(verified, cache=None)
     return _repeat(once, params, (state, draft, verified, pending), 1 + extra)[0]
 

@@ -55,6 +55,20 @@ class TargetCache:
     rope: jax.Array  # [S, 2, R/2] f32 cos/sin of every position (``rope.table``): a step gathers its rows
 
 
+def split_pending(cache: TargetCache) -> tuple[TargetCache, tuple]:
+    """(``cache`` with nothing pending, each layer's ``GDNPending`` or None): what a commit reuses in place
+    apart from what it reads once."""
+    pending = tuple(c.pending if isinstance(c, GDNCache) else None for c in cache.layers)
+    return with_pending(cache, (None,) * len(pending)), pending
+
+
+def with_pending(cache: TargetCache, pending: tuple) -> TargetCache:
+    """``cache`` with each Gated DeltaNet layer's ``pending`` set from ``pending`` (``split_pending``'s)."""
+    return dataclasses.replace(cache, layers=tuple(
+        dataclasses.replace(c, pending=q) if isinstance(c, GDNCache) else c
+        for c, q in zip(cache.layers, pending, strict=True)))
+
+
 def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype) -> TargetCache:
     """An empty cache for ``batch`` rows of up to ``capacity`` tokens."""
     layers = []

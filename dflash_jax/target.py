@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import atomic, checkpoint, quant, rope, sharding
-from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache
+from dflash_jax.cache import AttentionCache, GDNCache, TargetCache, init_cache, split_pending, with_pending
 from dflash_jax.config import TargetConfig
 from dflash_jax.kernels import dispatch as kernel_modes
 from dflash_jax.layers import (
@@ -219,15 +219,13 @@ def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
       The cache as if only those tokens had been processed, with nothing pending.
     """
     # Only what the result reuses is donated; the pending inputs are read by the replay, then dropped.
-    pending = tuple(c.pending if isinstance(c, GDNCache) else None for c in cache.layers)
-    layers = tuple(dataclasses.replace(c, pending=None) if isinstance(c, GDNCache) else c for c in cache.layers)
-    return _commit(dataclasses.replace(cache, layers=layers), pending, jnp.asarray(n, jnp.int32))
+    return _commit(*split_pending(cache), jnp.asarray(n, jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
 def _commit(cache: TargetCache, pending: tuple, n: jax.Array) -> TargetCache:
-    layers = tuple(GatedDeltaNet.commit(dataclasses.replace(c, pending=p), n) if isinstance(c, GDNCache) else c
-                   for c, p in zip(cache.layers, pending, strict=True))
+    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c
+                   for c in with_pending(cache, pending).layers)
     return dataclasses.replace(cache, lengths=cache.lengths + n, layers=layers)
 
 

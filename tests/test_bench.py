@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 from types import SimpleNamespace
 
 import jax
@@ -306,6 +307,7 @@ def test_timed_phases_update_in_place_and_leave_the_state_usable(tiny_dflash):
     s = loop.init(params, tokens, lengths, 0)
     secs = bench.timed_phases(loop, params, s)
     assert secs.shape == (3,) and np.isfinite(secs).all()
+    assert (bench._phases(loop, params, s, 0, time.perf_counter) > 0).all()  # each phase's single run is timed
     rest = dataclasses.replace(s, cache=None, proposer=None)
     d = bench._draft(loop, params, jax.tree.map(jnp.copy, s.proposer), rest, jnp.int32(0))
     cache_bytes = sum(x.nbytes for x in jax.tree.leaves(s.cache))
