@@ -3,10 +3,11 @@
 The names users and notebooks rely on are re-exported here; see README.md for a tour.
 """
 
-from dflash_jax.drafter import Drafter, load_drafter
-from dflash_jax.sampling import SamplingConfig
-from dflash_jax.speculative import FinishReason, GenerateOutput, SpecConfig, generate, make_generate, stream
-from dflash_jax.target import Target, load_target
+from dflash_jax.decoding.api import generate, make_generate, stream
+from dflash_jax.decoding.loop import FinishReason, GenerateOutput, SpecConfig
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.models.drafter import Drafter, load_drafter
+from dflash_jax.models.target import Target, load_target
 
 __all__ = [
     "Drafter", "FinishReason", "GenerateOutput", "SamplingConfig", "SpecConfig", "Target", "generate", "load_drafter",

@@ -15,13 +15,53 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
 
-from dflash_jax.rope import RopeScaling
+from dflash_jax.kernels.mxfp4 import BLOCK, SCALE_MODES
+
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A resolved ``rope_parameters`` dict (defaults filled in as transformers fills them); hashable."""
+
+    rope_type: str = "default"
+    factor: float = 1.0  # linear, yarn, llama3
+    original_max_position_embeddings: int = 0  # yarn, llama3
+    attention_factor: float | None = None  # yarn: None -> from factor (and mscale / mscale_all_dim)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_type {self.rope_type!r} is not one of {ROPE_TYPES}")
+
+    def to_hf(self) -> dict:
+        """The ``rope_parameters`` entries of this type (rope_theta and the rotary fraction are the caller's)."""
+        keys = _KEYS[self.rope_type]
+        return {"rope_type": self.rope_type, **{k: getattr(self, k) for k in keys if getattr(self, k) is not None}}
+
+
+_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim",
+             "beta_fast", "beta_slow", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
 
 TARGET_ARCHITECTURES = (
     "Qwen3_5ForCausalLM",
@@ -413,3 +453,356 @@ class TargetConfig:
         """config.json (+ generation_config.json's stop ids when ``path`` is a directory)."""
         generation = read_generation_config(path) if Path(path).is_dir() else GenerationConfig()
         return cls.from_hf(*read_config_json(path), generation=generation)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DFlash drafter (z-lab's config.json)
+
+DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """z-lab's spread of n tapped layers over a target of L layers: from layer 1 to layer L - 3."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers): field names and layouts as its config.json."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = DEFAULT_THETA
+    rope_scaling: RopeScaling = RopeScaling()
+    layer_types: tuple[str, ...] = ()  # empty: all "full_attention"
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # overrides every layer's causality when set
+    target_hidden_size: int | None = None  # width of one tap; None: hidden_size
+    # z-lab's optional transforms: block embeddings times input_embedding_scale; draft logits times
+    # output_multiplier, then tanh-softcapped at final_logit_softcapping (None: off).
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self):
+        # Normalise first (frozen, so via object.__setattr__): tuples keep the config hashable.
+        fill = object.__setattr__
+        fill(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        fill(self, "layer_types", tuple(self.layer_types) or ("full_attention",) * self.num_hidden_layers)
+        if self.target_hidden_size is None:
+            fill(self, "target_hidden_size", self.hidden_size)
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ConfigError(msg)
+
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "vocab_size", "block_size", "num_target_layers",
+                     "target_hidden_size"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value > 0, f"{name} must be a positive integer, got {value!r}")
+        for name in ("rms_norm_eps", "rope_theta", "input_embedding_scale", "output_multiplier"):
+            value = getattr(self, name)
+            need(isinstance(value, int | float) and math.isfinite(value) and value > 0,
+                 f"{name} must be a finite number > 0, got {value!r}")
+        cap = self.final_logit_softcapping
+        need(cap is None or (isinstance(cap, int | float) and math.isfinite(cap) and cap > 0),
+             f"final_logit_softcapping={cap!r} must be > 0 or null")
+        need(self.num_attention_heads % self.num_key_value_heads == 0,
+             f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+             f"num_key_value_heads={self.num_key_value_heads}")
+        need(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (RoPE rotates halves)")
+        need(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
+             f"mask_token_id={self.mask_token_id!r} must be an integer >= 0")
+        need(len(self.target_layer_ids) > 0, "target_layer_ids is empty")
+        need(all(0 <= i < self.num_target_layers for i in self.target_layer_ids),
+             f"target_layer_ids {list(self.target_layer_ids)} must lie in 0..num_target_layers-1 "
+             f"(num_target_layers={self.num_target_layers})")
+        need(len(self.layer_types) == self.num_hidden_layers,
+             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
+        bad = sorted(set(self.layer_types) - set(DRAFTER_LAYER_TYPES))
+        need(not bad, f"unknown layer_types {bad}; expected {DRAFTER_LAYER_TYPES}")
+        for i, kind in enumerate(self.layer_types):
+            if kind != "sliding_attention":
+                continue
+            need(isinstance(self.sliding_window, int) and self.sliding_window > 0,
+                 f"layer {i} is sliding_attention but sliding_window={self.sliding_window!r}")
+            # The attention kernel bounds the window only below (keys before the query); a non-causal
+            # window narrower than the block would also have to hide keys after the query.
+            need(self.layer_causal(i) or self.sliding_window >= self.block_size,
+                 f"layer {i}: a non-causal sliding_window={self.sliding_window} must be >= "
+                 f"block_size={self.block_size}")
+
+    def layer_causal(self, i: int) -> bool:
+        """Causal inside the block: z-lab's rule, sliding layers are causal unless is_causal says otherwise."""
+        return self.is_causal if self.is_causal is not None else self.layer_types[i] == "sliding_attention"
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any], source: str = "config.json") -> DrafterConfig:
+        """Parses a z-lab ``config.json`` (model_type qwen3). As z-lab's ``_draft_value``, the DFlash fields
+        (block_size, mask_token_id, target_layer_ids, ...) are read from ``dflash_config`` first, then from
+        the top level; block_size defaults to 16 there."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: must be a JSON object, not a {type(raw).__name__}")
+        if "dflash_config" not in raw and "block_size" not in raw:
+            raise ConfigError(f"{source}: not a DFlash drafter config (no dflash_config or block_size; "
+                              f"architectures {raw.get('architectures')})")
+        f = Fields(raw)
+        with parsing(source):
+            dflash = raw.get("dflash_config") or {}
+            if not isinstance(dflash, dict):
+                raise ConfigError(f"dflash_config must be an object, got {dflash!r}")
+            d = Fields(dflash, "dflash_config.")
+            f.read.add("dflash_config")
+            if "DFlash2DraftModel" in (raw.get("architectures") or []) or any(
+                    k in dflash for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")):
+                raise ConfigError("DFlash2 drafters (dynamic convolutions, candidate selector) are not supported")
+
+            def pick(key: str) -> Fields:  # z-lab's _draft_value: dflash_config first, then the top level
+                return d if d.has(key) else f
+
+            f.require("hidden_act", ("silu",), "silu", "the drafter MLP uses SiLU")
+            f.require("attention_bias", (False,), False, "no z-lab drafter has projection biases")
+            f.require("attention_dropout", (0, 0.0), 0.0, "no dropout")
+            d.require("use_swa", (False,), False, "sliding windows come from layer_types and sliding_window")
+            d.require("attention_sink_bias", (False,), False, "no attention sinks")
+            n_layers = f.integer("num_hidden_layers")
+            max_pos = f.integer("max_position_embeddings", 32768)
+            rope, scaling = rope_scaling(f, max_position_embeddings=max_pos)
+            if rope.number("partial_rotary_factor", 1.0) != 1.0:
+                raise ConfigError(f"{rope.where}partial_rotary_factor != 1 is not supported "
+                                  "(the drafter rotates the whole head)")
+            # transformers' Qwen3Config: use_sliding_window=false drops the window; without layer_types, layers
+            # from max_window_layers on slide. (use_sliding_window absent: explicit layer_types decide.)
+            use_window = f.get("use_sliding_window", "layer_types" in raw)
+            window = f.get("sliding_window") if use_window else None
+            layer_types = f.get("layer_types") or [
+                "sliding_attention" if window is not None and i >= f.integer("max_window_layers", 28, low=0)
+                else "full_attention" for i in range(n_layers)]
+            if "sliding_attention" in layer_types and not use_window:
+                raise ConfigError("layer_types has sliding_attention layers but use_sliding_window is false "
+                                  "(transformers then drops the window)")
+            ids = pick("target_layer_ids").get("target_layer_ids")
+            if ids is None:
+                ids = default_target_layer_ids(f.integer("num_target_layers"), n_layers)
+            elif not isinstance(ids, list) or not all(type(i) is int for i in ids):
+                raise ConfigError(f"target_layer_ids must be a list of layer indices, got {ids!r}")
+            # `is_causal: false` is meaningful (it makes sliding layers bidirectional): test for None.
+            is_causal = f.get("is_causal")
+            if is_causal is None:
+                is_causal = d.get("causal")
+            cap = pick("final_logit_softcapping").number("final_logit_softcapping", 0.0, positive=False)
+            if cap < 0:
+                raise ConfigError(f"final_logit_softcapping={cap} must be >= 0 (0 or null: off)")
+            heads = f.integer("num_attention_heads")
+            cfg = cls(
+                hidden_size=f.integer("hidden_size"),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=f.integer("num_key_value_heads"),
+                head_dim=f.integer("head_dim", f.integer("hidden_size") // heads),
+                intermediate_size=f.integer("intermediate_size"),
+                rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+                rope_theta=rope.number("rope_theta", f.number("rope_theta", DEFAULT_THETA)),
+                rope_scaling=scaling,
+                vocab_size=f.integer("vocab_size"),
+                block_size=pick("block_size").integer("block_size", 16),
+                mask_token_id=pick("mask_token_id").integer("mask_token_id", low=0),
+                target_layer_ids=tuple(ids),
+                num_target_layers=f.integer("num_target_layers"),
+                layer_types=tuple(layer_types),
+                sliding_window=window,
+                is_causal=None if is_causal is None else bool(is_causal),
+                target_hidden_size=f.integer("target_hidden_size", f.integer("hidden_size")),
+                input_embedding_scale=pick("input_embedding_scale").number("input_embedding_scale", 1.0),
+                output_multiplier=pick("output_multiplier").number("output_multiplier", 1.0),
+                final_logit_softcapping=cap or None,
+            )
+        d.read |= {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
+                   "final_logit_softcapping", "mask_token"}
+        f.read |= {"use_sliding_window", "sliding_window", "max_window_layers", "block_size", "mask_token_id",
+                   "target_layer_ids", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+                   "tie_word_embeddings"}
+        f.warn_unknown(source)
+        d.warn_unknown(source)
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> DrafterConfig:
+        return cls.from_hf(*read_config_json(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The z-lab ``config.json`` dict; ``from_hf(to_hf())`` gives this config back."""
+        rope_parameters = {**self.rope_scaling.to_hf(), "rope_theta": self.rope_theta}
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+                             ("final_logit_softcapping", None)):
+            if getattr(self, key) != neutral:
+                dflash[key] = getattr(self, key)
+        raw = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False,
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_parameters": rope_parameters,
+            "vocab_size": self.vocab_size, "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers, "dflash_config": dflash,
+            "layer_types": list(self.layer_types), "sliding_window": self.sliding_window,
+            "use_sliding_window": "sliding_attention" in self.layer_types,
+        }
+        if self.is_causal is not None:
+            raw["is_causal"] = self.is_causal
+        if self.target_hidden_size != self.hidden_size:
+            raw["target_hidden_size"] = self.target_hidden_size
+        return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 storage (AMD Quark's quantization_config)
+
+# What stays bf16 unless told otherwise: Quark's public Qwen3.5 MoE export excludes these (and also
+# *.linear_attn.* and *.self_attn.*, which ``--exclude`` adds back). The LM head is shared with the
+# drafter, which reads it as a plain matrix, and the MTP head is built dense by its proposer: an
+# ``exclude`` that leaves either quantized is refused.
+DEFAULT_EXCLUDE = ("lm_head", "model.visual.*", "mtp.*", "*mlp.gate", "*shared_expert_gate*")
+_FULL_PREFIX = "model.language_model."  # the multimodal checkpoints' name for our "model."
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """Quark/vLLM exclude semantics: "re:<regex>" (re.match), a glob if it has * ? [, else equality."""
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(name, pattern)
+    return name == pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """Which projections are MXFP4, and how activations are treated.
+
+    exclude: module-name patterns that stay bf16, matched against both our names
+      (``model.layers.0.mlp.down_proj``) and the multimodal checkpoints' (``model.language_model...``).
+    input_scale_mode: dynamic MXFP4 activations (Quark's ``input_tensors``), emulated as a
+      quantize-dequantize of every quantized projection's input with this scale rule; None = off.
+    weight_scale_mode: the scale rule used when this library quantizes (``"floor"``: the OCP spec).
+    """
+
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    input_scale_mode: str | None = None
+    weight_scale_mode: str = "floor"
+
+    def __post_init__(self):
+        for name, mode in (("input_scale_mode", self.input_scale_mode), ("weight_scale_mode", self.weight_scale_mode)):
+            if mode is not None and mode not in SCALE_MODES:
+                raise ConfigError(f"QuantConfig.{name}={mode!r}; expected one of {SCALE_MODES}")
+
+    def excludes(self, name: str) -> bool:
+        names = (name, _FULL_PREFIX + name[len("model."):]) if name.startswith("model.") else (name,)
+        return any(_matches(n, p) for n in names for p in self.exclude)
+
+    @classmethod
+    def from_pretrained(cls, path) -> QuantConfig | None:
+        """The ``quantization_config`` of a checkpoint's config.json; None for a dense checkpoint."""
+        return cls.from_hf(*read_config_json(path))
+
+    @classmethod
+    def from_hf(cls, raw: dict, source: str = "config.json") -> QuantConfig | None:
+        """Parses Quark's ``quantization_config``; anything this loader cannot honour is a ConfigError
+        naming the field."""
+        qc = raw.get("quantization_config")
+        if qc is None:
+            return None
+        field = "quantization_config"
+
+        def need(ok, path, msg):
+            if not ok:
+                raise ConfigError(f"{source}: {field}.{path} {msg}")
+
+        need(isinstance(qc, dict), "", "must be an object")
+        method = qc.get("quant_method")
+        need(method == "quark", "quant_method", f"= {method!r} is not supported; expected 'quark' (AMD Quark MXFP4)")
+        for key in ("layer_quant_config", "layer_type_quant_config"):
+            need(not qc.get(key), key, "(per-layer schemes) is not supported: only global_quant_config is")
+        g = qc.get("global_quant_config")
+        need(isinstance(g, dict), "global_quant_config", "is missing or not an object")
+        for key in ("output_tensors", "bias"):
+            need(g.get(key) is None, f"global_quant_config.{key}", f"= {g.get(key)!r} is not supported; expected null")
+        w = g.get("weight")
+        need(isinstance(w, dict), "global_quant_config.weight",
+             f"= {w!r} is not supported; expected one MXFP4 spec (dtype fp4, per_group, group_size 32, e8m0)")
+        _check_mx_spec(w, "global_quant_config.weight", need, dynamic=False)
+        weight_mode = w.get("scale_calculation_mode") or "even"
+        need(weight_mode in SCALE_MODES, "global_quant_config.weight.scale_calculation_mode",
+             f"= {weight_mode!r} is not supported; expected one of {SCALE_MODES}")
+        x = g.get("input_tensors")
+        input_mode = None
+        if x is not None:
+            need(isinstance(x, dict), "global_quant_config.input_tensors", "must be an object or null")
+            _check_mx_spec(x, "global_quant_config.input_tensors", need, dynamic=True)
+            input_mode = x.get("scale_calculation_mode") or "even"  # Quark's and vLLM's default
+            need(input_mode in SCALE_MODES, "global_quant_config.input_tensors.scale_calculation_mode",
+                 f"= {input_mode!r} is not supported; expected one of {SCALE_MODES}")
+        exclude = qc.get("exclude") or []
+        need(isinstance(exclude, list) and all(isinstance(p, str) for p in exclude), "exclude",
+             "must be a list of module-name patterns")
+        return cls(exclude=tuple(exclude), input_scale_mode=input_mode, weight_scale_mode=weight_mode)
+
+    def to_hf(self, exclude: tuple[str, ...] | None = None) -> dict:
+        """Quark's ``quantization_config`` for this config (``exclude`` overrides the pattern list)."""
+        spec = {"dtype": "fp4", "qscheme": "per_group", "group_size": BLOCK, "ch_axis": -1, "scale_format": "e8m0",
+                "scale_type": "float", "round_method": "half_even", "symmetric": None, "mx_element_dtype": None,
+                "observer_cls": "PerBlockMXObserver", "is_scale_quant": False}
+        weight = {**spec, "is_dynamic": False, "scale_calculation_mode": self.weight_scale_mode}
+        inputs = None if self.input_scale_mode is None else {
+            **spec, "is_dynamic": True, "scale_calculation_mode": self.input_scale_mode}
+        return {
+            "quant_method": "quark",
+            "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                       "weight_format": "real_quantized", "weight_merge_groups": None},
+            "global_quant_config": {"weight": weight, "input_tensors": inputs, "output_tensors": None, "bias": None},
+            "layer_quant_config": {},
+            "layer_type_quant_config": {},
+            "exclude": list(self.exclude if exclude is None else exclude),
+        }
+
+
+def read_target_config(path) -> tuple[TargetConfig, QuantConfig | None]:
+    """A checkpoint directory's architecture and its MXFP4 storage (None: dense). ``TargetConfig``
+    refuses ``quantization_config`` by itself (it cannot honour one); here it is parsed and checked,
+    and the architecture read without it (generation_config.json's stop ids included)."""
+    raw, source = read_config_json(path)
+    qcfg = QuantConfig.from_hf(raw, source)
+    raw = {k: v for k, v in raw.items() if k != "quantization_config"}
+    return TargetConfig.from_hf(raw, source, generation=read_generation_config(path)), qcfg
+
+
+def _check_mx_spec(spec: dict, path: str, need, *, dynamic: bool):
+    need(spec.get("dtype") == "fp4", f"{path}.dtype", f"= {spec.get('dtype')!r} is not supported; expected 'fp4'")
+    need(spec.get("qscheme", "per_group") == "per_group", f"{path}.qscheme",
+         f"= {spec.get('qscheme')!r} is not supported; expected 'per_group'")
+    need(spec.get("group_size") == BLOCK, f"{path}.group_size",
+         f"= {spec.get('group_size')!r} is not supported; expected {BLOCK}")
+    need(spec.get("scale_format") == "e8m0", f"{path}.scale_format",
+         f"= {spec.get('scale_format')!r} is not supported; expected 'e8m0'")
+    need(spec.get("ch_axis", -1) in (-1, 1), f"{path}.ch_axis",
+         f"= {spec.get('ch_axis')!r} is not supported; blocks must run along the input dimension (-1)")
+    need(bool(spec.get("is_dynamic")) == dynamic, f"{path}.is_dynamic",
+         f"= {spec.get('is_dynamic')!r} is not supported; expected {dynamic}"
+         + (" (static input scales)" if dynamic else ""))

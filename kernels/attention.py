@@ -400,10 +400,7 @@ def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None,
         # verify-shaped calls.
         return _by_query_chunks(run, q, k, v, q_start, kv_len, MAX_QUERIES)
 
-    # On a mesh: per device, on its rows and query heads (and their KV heads).
-    heads, kv = ("B", None, "N", None), ("B", "K", None, None)
-    return dispatch.per_head(pallas, (q, k, v, q_start, kv_len), (heads, kv, kv, ("B",), ("B",)), heads,
-                             heads=("heads", q.shape[2]), shared=("kv_heads", k.shape[1]))
+    return pallas(q, k, v, q_start, kv_len)
 
 
 # Real Qwen3.5 attention shapes: (N, K, H, causal). The drafter attends non-causally over context + block.

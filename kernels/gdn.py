@@ -262,7 +262,7 @@ class ChunkedBlocks:
     """Tiling of the chunked prefill kernel: one program per [Dk, block_v] state tile, chunks of ``chunk``,
     the Dk contractions split into block_k slices.
 
-    Chosen from the gfx950 compile report (kernels/report.py) at Dk = 128 under both triton 3.7.1 and
+    Chosen from the gfx950 compile report (dflash_jax/perf/kernel_report.py) at Dk = 128 under both triton 3.7.1 and
     3.8.0: (16, 32, 4 warps) compiles without spills in both (392 / 382 VGPR, ~60 SGPR, 36 KiB LDS);
     2 warps spill 9 VGPRs under 3.8.0, (32, 32, 4 warps) one VGPR under 3.7.1; whole-Dk (block_k =
     128) operands spill VGPRs.
@@ -494,22 +494,13 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), inter
 # Dispatching entry points
 
 
-# Dimension labels for ``dispatch.per_head`` (on a mesh: per device, on its rows and value heads)
-_QK, _V, _GATE, _STATE = ("B", None, "K", None), ("B", None, "N", None), ("B", None, "N"), ("B", "N", None, None)
-
-
-def _per_head(fn, args, labels, out_labels, k, v):
-    return dispatch.per_head(fn, args, labels, out_labels, heads=("v_heads", v.shape[2]),
-                             shared=("k_heads", k.shape[2]))
-
-
 def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
     """Whole-prompt GDN; same contract as ``gdn_chunked_reference``: (o [B,T,Hv,Dv] f32, state)."""
     mode = dispatch.resolve(impl)
     if mode == "reference":
         return gdn_chunked_reference(q, k, v, g, beta, state)
     run = functools.partial(gdn_chunked_pallas, interpret=mode == "interpret")
-    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), (_V, _STATE), k, v)
+    return run(q, k, v, g, beta, state)
 
 
 def gdn_verify(q, k, v, g, beta, state, *, impl=None):
@@ -522,7 +513,7 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None):
     if mode == "reference":
         return _verify_block(q, k, v, g, beta, state)
     run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
-    return _per_head(run, (q, k, v, g, beta, state), (_QK, _QK, _V, _GATE, _GATE, _STATE), (_V, _V), k, v)
+    return run(q, k, v, g, beta, state)
 
 
 def gdn_replay(k, u, g, state, n, *, impl=None):
@@ -531,7 +522,7 @@ def gdn_replay(k, u, g, state, n, *, impl=None):
     if mode == "reference":
         return gdn_replay_reference(k, u, g, state, n)
     run = functools.partial(gdn_replay_pallas, interpret=mode == "interpret")
-    return _per_head(run, (k, u, g, state, n), (_QK, _V, _GATE, _STATE, ("B",)), _STATE, k, u)
+    return run(k, u, g, state, n)
 
 
 # ---------------------------------------------------------------------------------------------

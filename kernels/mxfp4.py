@@ -41,7 +41,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from dflash_jax import sharding
 from dflash_jax.kernels import dispatch, moe
 from dflash_jax.kernels.common import KernelCase, triton_params
 from dflash_jax.kernels.moe import GroupedBlocks
@@ -285,12 +284,10 @@ def mxfp4_matmul_pallas(x, w_packed, scales, *, blocks: Mxfp4Blocks = Mxfp4Block
 
 def mxfp4_matmul(x, w_packed, scales, *, impl=None):
     """x [M, K] (bf16/f32) times an MXFP4 weight [N, K] -> [M, N] in x's dtype; the contract of
-    ``mxfp4_matmul_reference``. On a device mesh it takes the reference path whatever the mode: a weight
-    is split by rows or by columns depending on the layer (``sharding.PARAMS``), which the kernel call
-    cannot see, and XLA's partitioner splits the reference like any matmul (a custom call it would
-    gather)."""
+    ``mxfp4_matmul_reference``. On a device mesh callers pass ``impl="reference"``: XLA's partitioner
+    splits the reference like any matmul, while the kernel is a custom call it would gather."""
     mode = dispatch.resolve(impl)
-    if mode == "reference" or sharding.traced_mesh() is not None:
+    if mode == "reference":
         return mxfp4_matmul_reference(x, w_packed, scales)
     return mxfp4_matmul_pallas(x, w_packed, scales, interpret=mode == "interpret")
 

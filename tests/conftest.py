@@ -68,7 +68,7 @@ def _release_compiled_programs_past_mappings():
 # subprocess), 276, 105, 101, 87, 83, 75, 55; every other file < 50). They run first, the rest in file
 # order: under xdist (one file per worker at a time, addopts) no worker is left alone with one of them at
 # the end, which the file-size order xdist uses by default did (test_train_ship.py, 2 tests, ran last).
-FIRST = ("test_sharding.py", "test_speculative.py", "test_train_ship.py", "test_quant.py", "test_bench.py",
+FIRST = ("test_parallel.py", "test_loop.py", "test_train_ship.py", "test_quant.py", "test_bench.py",
          "test_notebooks.py", "test_target.py", "test_cli.py")
 
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.config import ConfigError, ConfigWarning, TargetConfig, read_generation_config
-from dflash_jax.drafter import DrafterConfig, draft_block, draft_logits, init_draft_cache, init_drafter
+from dflash_jax.config import ConfigError, ConfigWarning, DrafterConfig, TargetConfig, read_generation_config
+from dflash_jax.models.drafter import draft_block, draft_logits, init_draft_cache, init_drafter
 
 # A Qwen3.5-27B-shaped config.json in the official multimodal layout, every text field as the checkpoint has
 # it (reference: Qwen3.6-27B config quoted in llama.cpp PR #22673; sizes shrunk where they do not matter).

@@ -78,5 +78,5 @@ def test_no_pytorch_banner_at_run_time():
     assert loaded.returncode == 0, loaded.stderr
     assert "PyTorch was not found" not in loaded.stdout + loaded.stderr
     help_ = _without_torch("import sys; sys.argv = ['dflash-jax', '--help']\n"
-                           "from dflash_jax.cli import main; main()")
+                           "from dflash_jax.cli.generate import main; main()")
     assert "usage" in help_.stdout and "PyTorch" not in help_.stdout + help_.stderr

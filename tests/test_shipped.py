@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.drafter import load_drafter
-from dflash_jax.runtime import ASSETS
-from dflash_jax.speculative import generate
-from dflash_jax.target import forward, load_target
+from dflash_jax.decoding.api import generate
+from dflash_jax.decoding.runtime import ASSETS
+from dflash_jax.models.drafter import load_drafter
+from dflash_jax.models.target import forward, load_target
 from dflash_jax.train import tokenizer as tk
 from dflash_jax.train.evaluate import eval_prompts
 

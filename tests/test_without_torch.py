@@ -45,7 +45,7 @@ def test_torch_free_tests_run_and_oracle_tests_skip_without_torch(tmp_path):
     assert "No module named 'torch'" in probe.stderr  # the hiding works
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",  # one process
-         "tests/test_kernels_moe.py", "-k", "bad_shapes", "tests/test_target.py"],
+         "tests/kernels/test_moe.py", "-k", "bad_shapes", "tests/models/test_target.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = run.stdout + run.stderr
     assert run.returncode == 0, out

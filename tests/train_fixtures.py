@@ -1,8 +1,8 @@
-"""A tiny random target shared by the training tests (tests/test_train_*.py)."""
+"""A tiny random target shared by the training tests (tests/train/test_train_*.py)."""
 
 from __future__ import annotations
 
-from dflash_jax.target import init_target
+from dflash_jax.models.target import init_target
 from dflash_jax.train import lm
 
 

@@ -1,6 +1,6 @@
 """Training the DFlash drafter (the DFlash paper's recipe) on a frozen target's own greedy continuations.
 
-Sits on ``loop.py``, the drafter modules of ``dflash_jax.drafter`` and the frozen target. The recipe:
+Sits on ``loop.py``, the drafter modules of ``dflash_jax.models.drafter`` and the frozen target. The recipe:
 the target regenerates corpus snippets (``regenerate``); its taps over each whole sequence are
 computed once (the target is frozen). Per sequence, ``anchors`` distinct positions p are drawn from
 the generated region; block p is ``[x_p, MASK x (B-1)]`` at positions p..p+B-1 and offset k predicts
@@ -24,20 +24,19 @@ import numpy as np
 import optax
 from flax import nnx
 
-from dflash_jax.config import TargetConfig
-from dflash_jax.drafter import (
+from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.decoding.api import generate
+from dflash_jax.models.drafter import (
     DFlashDrafter,
     Drafter,
-    DrafterConfig,
     draft_block,
     draft_logits,
     init_draft_cache,
     init_drafter,
     write_context,
 )
-from dflash_jax.layers import with_kernels
-from dflash_jax.speculative import generate
-from dflash_jax.target import Target, forward
+from dflash_jax.models.layers import with_kernels
+from dflash_jax.models.target import Target, forward
 from dflash_jax.train import loop
 
 # Decay of the loss weights over block offsets, by block size (the DFlash paper: 7 for 16, 5 for 10, 4 for 8).

@@ -12,10 +12,10 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import runtime, workloads
-from dflash_jax.drafter import load_drafter
-from dflash_jax.speculative import generate
-from dflash_jax.target import load_target
+from dflash_jax.decoding import runtime, workloads
+from dflash_jax.decoding.api import generate
+from dflash_jax.models.drafter import load_drafter
+from dflash_jax.models.target import load_target
 from dflash_jax.train import corpus
 from dflash_jax.train import tokenizer as tk
 

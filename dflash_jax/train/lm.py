@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dflash_jax import atomic, checkpoint
 from dflash_jax.config import TargetConfig
-from dflash_jax.layers import hf_tensors
-from dflash_jax.target import GDN_LAYOUT, Target, forward, init_target
+from dflash_jax.io import atomic, checkpoint
+from dflash_jax.models.layers import hf_tensors
+from dflash_jax.models.target import GDN_LAYOUT, Target, forward, init_target
 from dflash_jax.train import loop
 
 
@@ -105,7 +105,7 @@ def continuation_quality(target: Target, prompts: list[list[int]], new_tokens: i
 
     Returns {"ratios": [...], "loops": how many ratios are below ``loop_below``, "tokens": continuations}.
     """
-    from dflash_jax.speculative import generate
+    from dflash_jax.decoding.api import generate
     out = np.asarray(generate(target, prompts, block_size=1, max_new_tokens=new_tokens, stop_ids=()).tokens)
     ratios = [distinct_ngram_ratio(row.tolist(), n) for row in out]
     return {"ratios": ratios, "loops": sum(r < loop_below for r in ratios), "tokens": out.tolist()}

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
-from dflash_jax import checkpoint
+from dflash_jax.io import checkpoint
 
 
 @dataclasses.dataclass(frozen=True)

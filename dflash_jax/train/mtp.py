@@ -1,6 +1,6 @@
 """Training Qwen3.5's MTP head on the frozen target: the baseline proposer DFlash is compared with.
 
-Sits on ``loop.py`` and ``dflash_jax.mtp.mtp_step``. Same data and budget as the drafter: the
+Sits on ``loop.py`` and ``dflash_jax.decoding.mtp.mtp_step``. Same data and budget as the drafter: the
 target's own greedy continuations (``drafter.regenerate``). Teacher forcing: entry t reads
 (x_{t+1}, the target's final-normed h_t) and ``target.logits`` of its output is trained to predict
 x_{t+2}, over whole sequences in one causal pass; labels in the prompt are masked out. Only ``mtp.*``
@@ -18,10 +18,10 @@ import optax
 from flax import nnx
 
 from dflash_jax import kernels
-from dflash_jax.cache import position_table
-from dflash_jax.mtp import mtp_step
-from dflash_jax.proposers import TargetView
-from dflash_jax.target import Qwen35ForCausalLM, Target
+from dflash_jax.decoding.mtp import mtp_step
+from dflash_jax.decoding.proposers import TargetView
+from dflash_jax.models.cache import position_table
+from dflash_jax.models.target import Qwen35ForCausalLM, Target
 from dflash_jax.train import loop
 from dflash_jax.train.drafter import compute_taps
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import atomic, workloads
+from dflash_jax.decoding import workloads
+from dflash_jax.io import atomic
 from dflash_jax.train import corpus, loop
 from dflash_jax.train import tokenizer as tk
 
@@ -108,7 +109,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     train_stream = corpus.token_stream(tok, corpus.stdlib_files("train"), eos)
     held_stream = corpus.token_stream(tok, corpus.stdlib_files("heldout"), eos)
 
-    from dflash_jax.target import load_target
+    from dflash_jax.models.target import load_target
     from dflash_jax.train import lm
 
     target_dir = work / "target"
@@ -162,7 +163,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         drafter, res = dtrain.train_drafter(target, dcfg, seqs, prompt_len, tcfg, anchors=sizes.anchors,
                                             batch=sizes.drafter_batch, seed=0, ckpt_dir=work / "ckpt_drafter",
                                             log_file=work / "progress_drafter.jsonl")
-        from dflash_jax.drafter import save_drafter
+        from dflash_jax.models.drafter import save_drafter
         save_drafter(drafter_dir, drafter)
         stamp("drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
                train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dflash_jax import atomic
+from dflash_jax.io import atomic
 from dflash_jax.train import corpus
 
 EOS, MASK = "<|endoftext|>", "<|mask|>"

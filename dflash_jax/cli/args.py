@@ -1,0 +1,130 @@
+"""Flag types, the help formatter and the scale-out flags shared by the ``dflash-jax`` subcommands.
+
+Every subcommand's parser is a ``Parser`` (each option's default on its help line); ``add_mesh_arguments`` and
+``mesh_from_args`` turn vLLM-style parallel sizes and JAX's process flags into a device mesh
+(``dflash_jax.parallel.make_mesh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import metadata
+
+import jax
+from jax.sharding import Mesh
+
+from dflash_jax.parallel import make_mesh
+
+SEED_MAX = 2**31 - 1  # seeds become int32 keys
+
+
+def seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= seed <= SEED_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{SEED_MAX}, got {seed}")
+    return seed
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _no_default(value) -> bool:
+    return value is None or value is False or value == argparse.SUPPRESS or value == []
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Help text with each option's default appended (unless the help already says it, or there is none)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or "default:" in text or _no_default(action.default):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser (subcommands too) whose --help shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        if "help" not in kwargs and not _no_default(kwargs.get("default")):
+            kwargs["help"] = "(default: %(default)s)"  # argparse prints no help line for an option without help
+        return super().add_argument(*args, **kwargs)
+
+
+def version() -> str:
+    try:
+        return metadata.version("dflash-jax")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def ints(text: str) -> list[int]:
+    try:
+        values = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return values
+
+
+def add_mesh_arguments(parser) -> None:
+    """The scale-out flags (vLLM's names for the sizes, JAX's for joining processes) on a CLI parser."""
+    g = parser.add_argument_group("scale-out (a device mesh; several processes)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices on the model axis: heads, MLP width, vocabulary (and experts) split over them")
+    g.add_argument("--data-parallel-size", type=int, default=1, help="devices on the data axis: rows of a batch")
+    g.add_argument("--expert-parallel-size", type=int, default=1,
+                   help="devices on the expert axis: MoE experts split over tensor x expert parallel devices")
+    g.add_argument("--distributed", action="store_true",
+                   help="join a multi-process run (jax.distributed.initialize): the flags below, else "
+                        "JAX_COORDINATOR_ADDRESS, else detected (Slurm, Open MPI, TPU); implied by them")
+    g.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, the same on every process")
+    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+
+
+def mesh_from_args(args) -> Mesh | None:
+    """Joins the processes the flags ask for, silences stdout on all but process 0, and returns the mesh
+    of the parallel sizes (None when they are all 1 in one process: the unsharded, one-device path).
+
+    The sizes' product must equal the global device count (every process's devices); a clear error
+    names the flags otherwise. Call before any other JAX work (``jax.distributed.initialize``'s rule).
+    """
+    sizes = {flag: getattr(args, flag.replace("-", "_"))
+             for flag in ("data-parallel-size", "tensor-parallel-size", "expert-parallel-size")}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"--{flag} must be >= 1, got {value}")
+    join = {k: getattr(args, k) for k in ("coordinator_address", "num_processes", "process_id")}
+    if args.distributed or any(v is not None for v in join.values()) or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        if join["num_processes"] is not None and join["num_processes"] < 1:
+            raise ValueError(f"--num-processes must be >= 1, got {join['num_processes']}")
+        if join["process_id"] is not None and not 0 <= join["process_id"] < (join["num_processes"] or 2**31):
+            raise ValueError(f"--process-id {join['process_id']} is outside 0 .. --num-processes - 1")
+        jax.distributed.initialize(**join)
+    if jax.process_index() != 0:  # only process 0 prints: the others' stdout (Python's and C++'s) is discarded
+        sys.stdout.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    data, model, expert = sizes.values()
+    if data * model * expert == 1 and jax.process_count() == 1:
+        return None  # one device (of however many this process sees)
+    if data * model * expert != jax.device_count():
+        raise ValueError(f"--data-parallel-size {data} x --tensor-parallel-size {model} x --expert-parallel-size "
+                         f"{expert} = {data * model * expert}, but the run has {jax.device_count()} devices "
+                         f"({jax.process_count()} process(es) of {jax.local_device_count()}); the product must "
+                         f"equal the device count")
+    return make_mesh(data=data, model=model, expert=expert)

@@ -1,0 +1,169 @@
+"""``dflash-jax bench``: tau, tokens/s and speed-up of plain, MTP and DFlash decoding on the report's workloads.
+
+A thin front end over ``dflash_jax.perf.bench``: it checks the flags, loads the models (or random-weight ones
+from config files) and the workload's prompts, and writes bench.json and the plots.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from dflash_jax import parallel
+from dflash_jax.cli import args as cli_args
+from dflash_jax.decoding import runtime
+from dflash_jax.decoding.workloads import WORKLOADS, load_turns
+from dflash_jax.io import atomic
+from dflash_jax.perf.bench import (
+    TIMING,
+    _batches,
+    _machine,
+    bench_workload,
+    busy_note,
+    format_goals,
+    format_table,
+    parse_methods,
+    plot,
+    random_models,
+    random_prompts,
+)
+
+
+def cmd_bench(args) -> int:
+    from tqdm.auto import tqdm
+
+    mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints and writes
+    methods = parse_methods(args.methods)
+    workloads = [w.strip() for w in args.workload.split(",")]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"--workload: unknown {unknown}; expected some of {WORKLOADS}")
+    if args.prompts and len(workloads) != 1:
+        raise ValueError("--prompts gives the prompts of one workload: name exactly one --workload")
+    for flag in ("num_prompts", "repeats"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if min(args.concurrency) < 1:
+        raise ValueError(f"--concurrency must be >= 1, got {args.concurrency}")
+    if args.profile_batches < 0:
+        raise ValueError(f"--profile-batches must be >= 0, got {args.profile_batches}")
+    if args.simulate_acceptance and args.temperature != 0:
+        raise ValueError("--simulate-acceptance replays the greedy output: it needs --temperature 0")
+    if args.random_prompt_len < 1:
+        raise ValueError(f"--random-prompt-len must be >= 1, got {args.random_prompt_len}")
+    args.dtype = args.dtype or runtime.default_dtype()
+    out = Path(args.out)  # cli.check_outputs proved it writable before any work
+    if args.random_config:
+        workloads = ["random"]
+        target, drafter, model_dir, draft_dir = random_models(args, methods)
+        encoded = {"random": random_prompts(args.num_prompts, args.random_prompt_len, target.cfg.vocab_size,
+                                            args.seed)}
+        how = f"random token ids ({args.random_prompt_len} per prompt)"
+    else:
+        turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
+        model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
+        target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
+                                              progress=not args.quiet, mesh=mesh)
+    notes = []
+    if any(m.kind == "mtp" for m in methods) and not runtime.has_mtp(target):
+        notes.append(f"skipped {', '.join(m.name for m in methods if m.kind == 'mtp')}: {model_dir} has no MTP "
+                     f"head (mtp.* weights)")
+        methods = [m for m in methods if m.kind != "mtp"]
+    for note in notes:
+        print(f"dflash-jax bench: {note}", file=sys.stderr)
+    if not args.random_config:
+        tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir,
+                                           "--tokenizer" if args.tokenizer else "--model")
+        encoded = {w: [runtime.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
+                   for w in workloads}
+        how = runtime.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
+    units = sum(args.repeats * len(methods) * len(_batches(len(encoded[w]), c)) for w in workloads
+                for c in args.concurrency)
+    results = []
+    with tqdm(total=units, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as progress:
+        for w in workloads:
+            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh)
+    print(format_table(results))
+    goals = format_goals(results)
+    if goals:
+        print(goals)
+    busy = busy_note()
+    if busy:
+        notes.append(busy)
+        print(f"dflash-jax bench: {busy}", file=sys.stderr)
+    greedy = [r for r in results if r["matches_ar"] is not None]
+    if greedy:
+        bad = [f"{r['workload']}/c{r['concurrency']}/{r['method']}" for r in greedy if not r["matches_ar"]]
+        print("greedy check: every method's text equals ar's" if not bad else
+              f"greedy check: texts DIFFER from ar's for {', '.join(bad)}")
+    report = dict(
+        args={k: v for k, v in vars(args).items() if k != "func"}, machine=_machine(),
+        models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if drafter else None,
+                    tokenizer=None if args.random_config else str(args.tokenizer or model_dir), dtype=args.dtype,
+                    random_weights=bool(args.random_config)),
+        settings=dict(workloads=workloads, methods=[m.name for m in methods], concurrency=args.concurrency,
+                      num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      ignore_eos=args.ignore_eos, prompts_file=args.prompts, prompt_format=args.prompt_format,
+                      chat_template=args.chat_template, enable_thinking=args.enable_thinking, encoding=how,
+                      simulate_acceptance=args.simulate_acceptance, profile_batches=args.profile_batches),
+        timing=TIMING, notes=notes, results=results, plots=[])
+    if not parallel.is_writer():
+        return 0
+    atomic.write_text(out / "bench.json", json.dumps(report, indent=1))  # the numbers are safe before any plotting
+    print(f"wrote {out / 'bench.json'}")
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("dflash-jax bench: no plots (matplotlib is not installed: pip install matplotlib)", file=sys.stderr)
+        else:
+            report["plots"] = plot(results, out)
+            atomic.write_text(out / "bench.json", json.dumps(report, indent=1))
+            print("wrote " + ", ".join(str(out / p) for p in report["plots"]))
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Registers ``bench`` on the ``dflash-jax`` subcommands."""
+    b = sub.add_parser("bench", help="tau, tokens/s and speed-up of ar / MTP / DFlash on the report's workloads")
+    b.add_argument("--workload", default="humaneval", help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    b.add_argument("--methods", default="ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16",
+                   help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B); ar is always run")
+    b.add_argument("--prompts", help='JSONL for the one --workload, as generate reads it: {"prompt": "..."} or '
+                   '{"turns": [...]} (z-lab format, the first turn) per line')
+    b.add_argument("--prompt-format", choices=("zlab", "raw"), default="zlab",
+                   help="zlab: z-lab's instruction wrappers; raw: the data set's text alone (completion models)")
+    b.add_argument("--num-prompts", type=int, default=8)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--concurrency", type=cli_args.ints, default=[1], help="rows per generate call, e.g. 1,32")
+    b.add_argument("--repeats", type=int, default=3, help="timed passes over all batches; figures are medians")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--top-k", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--ignore-eos", action="store_true", help="always emit max_new_tokens (no stop ids)")
+    b.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="wrap prompts in the tokenizer's chat template (auto: when it has one)")
+    b.add_argument("--enable-thinking", action="store_true", help="chat template thinking mode (default off)")
+    b.add_argument("--simulate-acceptance", type=cli_args.ints, metavar="A[,A...]",
+                   help="drafts accepted per step, cycled (replays ar's output with an error at offset A; "
+                        "the real proposer still runs): isolates kernel/loop cost from drafter quality")
+    b.add_argument("--profile-batches", type=int, default=1,
+                   help="batches whose steps are split into draft/verify/commit (0: none)")
+    b.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
+    b.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
+                   "shipped target)")
+    b.add_argument("--random-config", metavar="TARGET_CONFIG[,DRAFTER_CONFIG]",
+                   help="random-weight target (and drafter) from config.json files alone, made on the device; "
+                        "prompts are random token ids (pair with --simulate-acceptance to fix tau)")
+    b.add_argument("--random-prompt-len", type=int, default=64, help="tokens per prompt with --random-config")
+    b.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    b.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    b.add_argument("--out", default="bench_out", help="directory for bench.json and the plots")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--quiet", action="store_true", help="no progress bars")
+    cli_args.add_mesh_arguments(b)
+    b.set_defaults(func=cmd_bench)

@@ -1,0 +1,352 @@
+"""The ``dflash-jax`` command line: ``generate`` (the main job), ``bench``, ``quantize`` and the training stages.
+
+Top of the data flow: ``generate`` checks every flag and input, loads a target and a proposer
+through ``runtime.py``, streams completions through ``decoding.api.stream`` (their text decoded as the
+tokens arrive, ``TextStream``) and then times
+speculative decoding against plain decoding with ``bench.py``'s measurement (the same compiled
+on-device loop, warm, repeated, interleaved). With no flags it runs the small models shipped in
+``dflash_jax/assets`` on whatever JAX backend is present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from dflash_jax.cli import args as cli_args
+from dflash_jax.config import read_target_config
+from dflash_jax.decoding import runtime
+from dflash_jax.decoding.api import stream
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.perf import bench
+
+SPEC_KEYS = ("method", "model", "num_speculative_tokens")
+MTP_DEFAULT_STEPS = 3
+
+
+def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runtime.Method:
+    """The method generate's flags ask for: ``spec`` (the parsed ``--speculative-config``) or
+    ``--draft-model``/``--block-size``. (``runtime.parse_method`` reads a method string such as ``mtp:3``.)
+
+    ``draft_block`` is the drafter's block size (None without a drafter). Settings that disagree,
+    or that the chosen method would not use, are refused rather than dropped.
+    """
+    if spec is None:
+        if args.block_size == 1:
+            if args.draft_model:
+                raise ValueError("--block-size 1 is plain decoding: --draft-model would be unused")
+            return runtime.AR
+        if draft_block is None:
+            raise ValueError(f"--block-size {args.block_size} needs a drafter: give --draft-model DIR or "
+                             f"--speculative-config (--model has no default drafter)")
+        return runtime.Method("dflash", draft_block if args.block_size is None else args.block_size)
+    steps = spec.get("num_speculative_tokens")
+    if args.block_size is not None and steps is not None and args.block_size != steps + 1:
+        raise ValueError(f"--block-size {args.block_size} disagrees with --speculative-config's "
+                         f"num_speculative_tokens {steps} (block = drafts + 1 = {steps + 1})")
+    if steps is None and args.block_size is not None:
+        steps = args.block_size - 1
+    if spec["method"] == "mtp":
+        steps = MTP_DEFAULT_STEPS if steps is None else steps
+        if not 1 <= steps <= 15:
+            raise ValueError(f"--speculative-config: MTP num_speculative_tokens must be in 1..15, got {steps}")
+        return runtime.Method("mtp", steps + 1)
+    block = draft_block if steps is None else steps + 1
+    if block < 2:
+        raise ValueError(f"--speculative-config: DFlash num_speculative_tokens must be >= 1, got {block - 1}")
+    return runtime.Method("dflash", block)
+
+
+def parse_speculative_config(text: str) -> dict:
+    """vLLM's ``--speculative-config`` JSON object, every key checked."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {type(spec).__name__} {text!r}")
+    unknown = sorted(set(spec) - set(SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unknown keys {unknown}; expected some of {list(SPEC_KEYS)}")
+    method = spec.get("method")
+    if method not in ("dflash", "mtp"):
+        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash' or 'mtp'")
+    steps = spec.get("num_speculative_tokens")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
+        raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {steps!r}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--speculative-config: num_speculative_tokens {steps} drafts nothing; use "
+                         f"--block-size 1 for plain decoding")
+    model = spec.get("model")
+    if method == "dflash" and not (isinstance(model, str) and model):
+        raise ValueError('--speculative-config: method "dflash" needs "model": the drafter directory')
+    if method == "mtp" and model is not None:
+        raise ValueError('--speculative-config: method "mtp" drafts with the target\'s own head; drop "model"')
+    return spec
+
+
+def _utf8(text: str, where: str) -> str:
+    """``text`` if it came from valid UTF-8 (argv and stdin decode bad bytes to lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start].encode("utf-8", "surrogateescape")
+        raise ValueError(f"{where} is not valid UTF-8 (byte 0x{bad.hex()} at character {e.start})") from None
+    return text
+
+
+def read_prompts(args) -> list[str]:
+    """The prompt texts: the positional prompt ('-': all of stdin) or ``--prompts`` JSONL ('-': stdin)."""
+    if (args.prompt is None) == (args.prompts is None):
+        raise ValueError("give a prompt, or --prompts FILE.jsonl (not both)")
+    if args.prompt is not None:
+        if args.prompt == "-":
+            return [_utf8(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), "the prompt on stdin")]
+        return [_utf8(args.prompt, "the prompt")]
+    return runtime.read_prompt_texts(args.prompts, "--prompts")
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Everything ``generate`` was asked to do, checked against the configs before any weight is loaded."""
+
+    model_dir: Path
+    draft_dir: Path | None
+    method: runtime.Method
+    texts: list[str]
+    sampling: SamplingConfig
+    stop_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
+
+
+def check_request(args) -> Request:
+    """Every check that needs no weights: flags, configs (sizes only), the prompts' text."""
+    texts = read_prompts(args)
+    draft_flag = args.draft_model
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    if spec is not None:
+        spec_model = spec.get("model")
+        if spec_model and args.draft_model and Path(spec_model) != Path(args.draft_model):
+            raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
+                             f"{spec_model}")
+        draft_flag = spec_model or args.draft_model
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
+    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
+    cfg, _ = read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
+    draft_block = None
+    if draft_dir is not None:
+        from dflash_jax.config import DrafterConfig
+
+        draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
+    method = method_from_flags(args, spec, draft_block)
+    if method.kind == "dflash" and method.block > draft_block:
+        raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
+                         f"size {draft_block} ({draft_dir})")
+    if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none "
+                         f"(mtp_num_hidden_layers is 0)")
+    if method.kind != "dflash" and args.draft_model:
+        raise ValueError(f"--draft-model is unused by {method.name}")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.top_k <= cfg.vocab_size:
+        raise ValueError(f"--top-k must be in 0..{cfg.vocab_size} (the vocabulary; 0 = off), got {args.top_k}")
+    bad = [i for i in args.stop_ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise ValueError(f"--stop-ids {bad}: outside the vocabulary 0..{cfg.vocab_size - 1}")
+    if any(not s for s in args.stop):
+        raise ValueError("--stop: an empty stop string would stop at once")
+    eos = () if args.ignore_eos else tuple(cfg.eos_token_ids)
+    return Request(model_dir, draft_dir, method, texts,
+                   SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
+                   tuple(dict.fromkeys(eos + tuple(args.stop_ids))), tuple(_utf8(s, "--stop") for s in args.stop))
+
+
+class TextStream:
+    """The text of a completion as its tokens arrive, decoded incrementally, cut at the first stop string.
+
+    Each token decodes only the tokens since the last complete character (and the run before them, so a
+    tokenizer that strips a leading space strips it on both decodes alike), never the whole list: O(n)
+    decoding over a completion, not O(n^2). A decode ending in U+FFFD (a multi-byte character split over
+    tokens) waits for the next token (a stop string in front of it is found at once). ``text`` is
+    ``tokenizer.decode(tokens)`` (special tokens skipped, no clean-up of spaces, which could rewrite
+    text already shown) up to a held-back incomplete character; ``text[:settled]`` is the part no later
+    token can change (the last ``len(longest stop) - 1`` characters may still turn out to start a stop
+    string).
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string occurred: ``tokens`` end with the one completing it
+        self.ended = False  # ``finish`` was called
+        self._start = self._done = 0  # decode window [start, ...); tokens[:done] are in ``text``
+        self._held = max((len(s) for s in stops), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _take(self, final: bool) -> str:
+        """Appends the window's new characters unless they end in an incomplete one (``final``: anyway);
+        returns the complete characters still waiting in front of an incomplete one."""
+        before = self._decode(self.tokens[self._start:self._done])
+        new = self._decode(self.tokens[self._start:])[len(before):]
+        if final or not new.endswith("\ufffd"):
+            if new:
+                self.text += new
+                self._start, self._done = self._done, len(self.tokens)
+            return ""
+        return new.rstrip("\ufffd")
+
+    def extend(self, tokens) -> None:
+        """Adds tokens (ignored once stopped), one at a time so a stop ends at the token completing it."""
+        for token in tokens:
+            if self.stopped:
+                return
+            self.tokens.append(int(token))
+            old = len(self.text)
+            waiting = self._take(final=False)  # a token may complete a stop and start a character
+            seen = self.text + waiting
+            if self.stops and len(seen) > old:
+                tail = max(0, old - self._held)  # a stop can only end in the new characters
+                hits = [i for i in (seen.find(s, tail) for s in self.stops) if i >= 0]
+                if hits:
+                    self.text, self.stopped = seen[:min(hits)], True
+
+    def finish(self) -> None:
+        """The stream ended: a held-back incomplete character is added as the decoder shows it."""
+        if not self.stopped:
+            self._take(final=True)
+        self.ended = True
+
+    @property
+    def settled(self) -> int:
+        return len(self.text) if self.stopped or self.ended else max(0, len(self.text) - self._held)
+
+
+def _complete(args, req: Request, tokenizer, it) -> dict:
+    """Drains one prompt's ``stream`` (printing unless --json): its tokens, text, tau and finish reason.
+
+    A stop string ends the stream early: the tokens keep the one that completed it, the text ends before it.
+    """
+    text = TextStream(tokenizer, req.stop_strings)
+    printed, steps, emitted, out = 0, -1, 0, None
+
+    def show():
+        nonlocal printed
+        if not args.json:
+            print(text.text[printed:text.settled], end="", flush=True)
+        printed = text.settled
+
+    try:
+        while not text.stopped:
+            chunk = next(it)[0]
+            steps, emitted = steps + 1, emitted + len(chunk)
+            text.extend(chunk)
+            show()
+        it.close()
+    except StopIteration as done:
+        out = done.value
+    text.finish()
+    show()
+    if out is None:  # tokens committed per target step: all but the prefill's first token, over the steps taken
+        return dict(tokens=text.tokens, text=text.text, tau=(emitted - 1) / max(steps, 1), steps=steps,
+                    finish_reason="stop")
+    return dict(tokens=text.tokens, text=text.text, tau=float(out.tau[0]), steps=int(out.steps[0]),
+                finish_reason=out.finish_names()[0])
+
+
+def cmd_generate(args) -> int:
+    mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints from here on
+    req = check_request(args)
+    dtype = args.dtype or runtime.default_dtype()
+    target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
+                                          progress=not args.quiet, mesh=mesh)
+    if req.method.kind == "mtp" and not runtime.has_mtp(target):
+        raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
+    tokenizer = runtime.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
+    prompts = [runtime.encode(tokenizer, t, args.chat_template) for t in req.texts]
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i + 1} encodes to no tokens")
+    proposer, pparams = runtime.proposer_for(req.method, target, drafter)
+    kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
+              max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
+              mesh=mesh)
+    note = (lambda m: None) if args.quiet else (lambda m: print(f"[{m}]", file=sys.stderr, flush=True))
+    note(f"compiling {req.method.name} (prefill and one step) on {jax.default_backend()}…")
+    records = []
+    for text, prompt in zip(req.texts, prompts, strict=True):
+        if not args.json:
+            print(text, end="", flush=True)
+        records.append(dict(prompt=text, prompt_tokens=len(prompt),
+                            **_complete(args, req, tokenizer, stream(target, [prompt], **kw))))
+        if not args.json:
+            print()
+            r = records[-1]
+            print(f"[{len(r['tokens'])} tokens, finish {r['finish_reason']}, {req.method.name}, tau {r['tau']:.2f}]")
+    timings = None
+    if not args.no_compare:
+        note(f"timing {req.method.name} against plain decoding: compiling the on-device loops…")
+        timings = bench.compare(target, proposer, pparams, req.method, prompts, max_new_tokens=args.max_new_tokens,
+                                sampling=req.sampling, stop_ids=req.stop_ids, seed=args.seed, repeats=args.repeats,
+                                drafter_cfg=None if drafter is None else drafter.cfg, dtype=dtype, mesh=mesh)
+        if not args.json:
+            print(bench.format_comparison(timings))
+    if args.json:
+        print(json.dumps(dict(model=str(req.model_dir), drafter=None if drafter is None else str(req.draft_dir),
+                              method=req.method.name, block=req.method.block, dtype=dtype,
+                              backend=jax.default_backend(), completions=records, timings=timings), indent=1))
+    bad = [i + 1 for i, r in enumerate(records) if r["finish_reason"] == "nonfinite"]
+    if bad:
+        print(f"dflash-jax: error: prompt {', '.join(map(str, bad))}: the target's logits became non-finite (NaN or "
+              f"Inf), so decoding stopped there. Check the checkpoint's weights, and try --dtype float32 "
+              f"(bfloat16 overflows sooner) or a larger --temperature.", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Registers ``generate`` on the ``dflash-jax`` subcommands."""
+    g = sub.add_parser("generate", help="stream completions, then time them against plain decoding")
+    g.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin")
+    g.add_argument("--prompts", metavar="FILE.jsonl", help='one JSON object per line with "prompt" (or "turns": '
+                   "[first user turn, ...]); '-' reads them from stdin")
+    g.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
+    g.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
+                   "shipped target; none with --model)")
+    g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
+                   '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
+                   f"(MTP default: {MTP_DEFAULT_STEPS})")
+    g.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
+                   "drafter's block size")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=cli_args.seed, default=0)
+    g.add_argument("--stop-ids", type=cli_args.int_list, default=[], metavar="ID[,ID...]",
+                   help="token ids that end a completion, besides the target's EOS ids")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a string that ends a completion (repeatable); the text ends before it")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")
+    g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
+                   help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
+    g.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    g.add_argument("--repeats", type=int, default=15, help="timed runs per method in the comparison")
+    g.add_argument("--no-compare", action="store_true", help="skip the timed comparison with plain decoding")
+    g.add_argument("--json", action="store_true", help="print one JSON document (completions with tokens, text, "
+                   "tau, finish reason; timings) instead of streaming text")
+    g.add_argument("--quiet", action="store_true", help="no loading progress bars or notes")
+    cli_args.add_mesh_arguments(g)
+    g.set_defaults(func=cmd_generate)

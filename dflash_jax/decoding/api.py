@@ -1,0 +1,166 @@
+"""The host API over the loop: ``make_generate``, ``generate``, ``stream`` and prompt padding.
+
+Sits on ``loop.py``: it checks and pads token-id prompts (buckets of powers of two, so a new prompt
+length rarely recompiles), builds the ``SpeculativeLoop`` of one (target, proposer, spec)
+configuration and runs it: whole on device (``generate``, or the pure function ``make_generate``
+returns, which users may ``jax.jit``, ``jax.export`` or shard) or one jitted step at a time from
+Python (``stream``, for front ends that print as they go).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import parallel
+from dflash_jax.decoding.loop import FinishReason, GenerateOutput, SpecConfig, SpeculativeLoop
+from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, Proposer
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.models.target import Target
+
+
+def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
+    if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
+        raise ValueError(f"prompt {b}: token ids must be a flat list of integers, got dtype {row.dtype}, "
+                         f"shape {row.shape}")
+    if vocab_size is not None and row.size:
+        bad = row[(row < 0) | (row >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
+    """(params, prompts [B, P], prompt_lens [B]) as ``loop.run`` / ``loop.init`` take them: concrete prompts
+    checked (shapes, every length in 1..P, the token ids before each length in the target's vocabulary)
+    and, with the loop's mesh, params and rows placed on it; traced ones (the caller's jit) as given,
+    their shapes checked at trace time and their values not at all."""
+    if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
+        return params, prompts, prompt_lens
+    prompts, lens = np.asarray(prompts), np.asarray(prompt_lens)
+    if prompts.ndim != 2 or lens.shape != prompts.shape[:1]:
+        raise ValueError(f"prompts must be [B, P] and prompt_lens [B], got {prompts.shape} and {lens.shape}")
+    bad = np.flatnonzero((lens < 1) | (lens > prompts.shape[1]))
+    if bad.size:
+        raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
+    for b in range(prompts.shape[0]):
+        _check_token_ids(prompts[b, :lens[b]], b, loop.cfg.vocab_size)
+    if loop.mesh is None:
+        return params, prompts, lens
+    params = parallel.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
+    return (params, *parallel.shard_rows(loop.mesh, prompts, lens))
+
+
+def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(), *,
+                  mesh: jax.parallel.Mesh | None = None):
+    """A pure generate function for one (target, proposer, spec) configuration.
+
+    Args:
+      target: the loaded target (its config and graph are used; its params are passed at call time).
+      proposer: ``NoProposer()`` (plain decoding), ``DFlashProposer``, ``MTPProposer`` or ``OracleProposer``.
+      spec: block size, max_new_tokens, sampling, stop ids, capacity.
+      mesh: a ``parallel.make_mesh`` mesh: concrete params and prompts are placed on it (``sharding``'s
+        tables; already placed params stay) and the loop runs sharded. None: one device.
+    Returns:
+      ``fn(params, prompts [B, P] int32 right-padded, prompt_lens [B], rng) -> GenerateOutput`` where
+      params = (target params, proposer params) and rng is a key, a [B] batch of keys, or an int seed.
+      Concrete prompts are checked (token ids in the vocabulary, lengths in 1..P) before compiling.
+    """
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
+
+    def generate_fn(params, prompts, prompt_lens, rng):
+        params, prompts, prompt_lens = _inputs(loop, params, prompts, prompt_lens)
+        return loop.run(params, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32), rng)
+
+    return generate_fn
+
+
+def pad_prompts(prompts, bucket: int | None = None, *,
+                vocab_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads token lists into [B, P] (P = bucket, default the longest prompt) and returns lengths.
+
+    Token ids must be integers, in [0, vocab_size) when it is given.
+    """
+    rows = [np.asarray(list(p)) for p in prompts]
+    if len(rows) == 0:
+        raise ValueError("no prompts given")
+    for b, row in enumerate(rows):
+        _check_token_ids(row, b, vocab_size)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    if (lengths == 0).any():
+        raise ValueError(f"empty prompt at row {int(np.argmin(lengths))}: every prompt needs at least one token")
+    bucket = int(lengths.max()) if bucket is None else bucket
+    if lengths.max() > bucket:
+        raise ValueError(f"prompt of {lengths.max()} tokens does not fit the bucket of {bucket}")
+    out = np.zeros((len(rows), bucket), np.int32)
+    for b, row in enumerate(rows):
+        out[b, :len(row)] = row
+    return out, lengths
+
+
+def bucket_for(length: int, minimum: int = 16) -> int:
+    """Prompt bucket: the next power of two, so new prompt lengths rarely recompile."""
+    return max(minimum, 1 << (int(length) - 1).bit_length())
+
+
+def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh):
+    """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
+
+    ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
+    ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it.
+    """
+    if drafter is None:
+        proposer, pparams = NoProposer(), ()
+    elif isinstance(drafter, tuple):
+        proposer, pparams = drafter
+    else:
+        proposer, pparams = DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
+    block = (proposer.max_block if drafter is not None else 1) if block_size is None else block_size
+    spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+    if block == 1:
+        proposer, pparams = NoProposer(), ()
+    rows = [list(p) for p in prompts]
+    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)))
+    loop = SpeculativeLoop.of(target, proposer, spec, mesh)
+    return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
+
+
+def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
+             sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
+             rng=0, mesh: jax.parallel.Mesh | None = None) -> GenerateOutput:
+    """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
+
+    Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
+    compiled program. Without a drafter (or with block_size=1) this is plain decoding; block_size
+    defaults to the drafter's. With a ``mesh`` the run is sharded (see ``make_generate``); across
+    processes the output's rows are spread over them (``parallel.host`` gathers them).
+    """
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
+                                           mesh)
+    return loop.run(params, tokens, lengths, rng)
+
+
+def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
+           sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
+           rng=0, mesh: jax.parallel.Mesh | None = None) -> Iterator[list[list[int]]]:
+    """Like ``generate`` but yields, after prefill and after every target step, the new tokens per row.
+
+    The host drives the same jitted step the on-device loop runs, so the tokens are identical.
+    The generator's return value (``StopIteration.value``) is the final ``GenerateOutput``.
+    """
+    loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
+                                           mesh)
+    state = loop.init(params, tokens, lengths, rng)
+    shown = np.zeros(len(lengths), np.int32)
+    while True:
+        # A step emits at most block_size tokens per row: copy only the window that holds them (every
+        # process's rows), before the next step donates the state's buffers.
+        n_out, finish, window = parallel.host(loop.recent(state))
+        start = np.maximum(n_out - loop.spec.block_size, 0)
+        yield [window[b, shown[b] - start[b]:n_out[b] - start[b]].tolist() for b in range(len(n_out))]
+        shown = n_out
+        if not (finish == FinishReason.RUNNING).any():
+            return loop.output(state)
+        state = loop.step(params, state)

@@ -1,0 +1,409 @@
+"""The speculative decoding loop: prefill, then propose -> verify -> accept -> commit, all on device.
+
+This is the top of the library's data flow: it drives ``target.py`` (prefill, verify, commit),
+a proposer from ``proposers.py`` (or ``mtp.py``) and the rules in ``sampling.py``. One configuration
+(target graph, proposer, ``SpecConfig``) is a ``SpeculativeLoop``: a frozen, hashable object whose
+phases are jitted with the object itself static, so equal configurations share compiled programs
+across calls. ``make_generate`` returns a pure function ``(params, prompts, prompt_lens, rng) ->
+GenerateOutput`` that runs the whole generation in one ``lax.while_loop`` (no host round trip per
+step), which users may ``jax.jit``, ``jax.export`` or shard. ``stream`` runs the same jitted step from
+Python and yields tokens as they are committed.
+
+Per row the invariant is: tokens processed by the target = prompt + emitted - 1; the last emitted
+token (the anchor) is processed by the next verify, as the first token of the block
+``[anchor, d_1 .. d_k]``. A step emits the a accepted drafts and the bonus token, and commits the
+anchor plus the a drafts (n = a + 1) in the target and the proposer. Block size 1 (no drafts) is
+plain autoregressive decoding through the same code: the baseline every speed-up is measured against.
+A row whose target logits have no finite peak (a NaN, a +inf or all -inf after the temperature: NaN
+weights, overflow) stops with ``FinishReason.NONFINITE`` and emits nothing from that step on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import numbers
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax import parallel
+from dflash_jax.config import TargetConfig
+from dflash_jax.decoding.proposers import NoProposer, Proposer, TargetView
+from dflash_jax.decoding.sampling import SamplingConfig, accept, choose
+from dflash_jax.models.cache import TargetCache, init_cache
+from dflash_jax.models.target import Target, TargetOutput, commit, prefill, verify
+
+
+class FinishReason(enum.IntEnum):
+    """Why a row stopped (``GenerateOutput.finish_reason``); RUNNING only inside the loop."""
+
+    RUNNING = 0
+    STOP = 1  # emitted a stop id
+    LENGTH = 2  # emitted max_new_tokens
+    NONFINITE = 3  # the target's logits had no finite peak (NaN, +inf or all -inf after the temperature)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """One generate call's static settings.
+
+    block_size: tokens verified per target step (anchor + block_size - 1 drafts); 1 = no drafts.
+    max_new_tokens: most tokens emitted per row (never exceeded).
+    stop_ids: tokens that end a row (emitted, then the row stops), any ints (kept as a tuple);
+      default: the target's EOS ids.
+    capacity: target cache length; None sizes it to prompt bucket + max_new_tokens + block_size.
+    """
+
+    block_size: int = 16
+    max_new_tokens: int = 128
+    sampling: SamplingConfig = SamplingConfig()
+    stop_ids: tuple[int, ...] | None = None
+    capacity: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_size", "max_new_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.stop_ids is not None:  # any iterable of integers (numpy's too) -> a hashable tuple of ints
+            stop = (self.stop_ids,) if isinstance(self.stop_ids, numbers.Integral) else self.stop_ids
+            try:
+                stop = tuple(stop)
+            except TypeError:
+                raise ValueError(f"stop_ids must be integer token ids, got {self.stop_ids!r}") from None
+            bad = [t for t in stop if not isinstance(t, numbers.Integral) or isinstance(t, bool) or t < 0]
+            if bad:
+                raise ValueError(f"stop_ids must be token ids (integers >= 0), got {bad[0]!r} in {self.stop_ids!r}")
+            object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    cache: TargetCache
+    proposer: object  # the proposer's state pytree
+    anchor: jax.Array  # [B] last emitted token, not yet processed by the target
+    out: jax.Array  # [B, max_new_tokens + block] emitted tokens (valid up to n_out)
+    n_out: jax.Array  # [B]
+    finish: jax.Array  # [B] FinishReason
+    keys: jax.Array  # [B] per-row PRNG keys
+    step: jax.Array  # [] loop iteration
+    steps: jax.Array  # [B] target steps each row took part in
+    accepted: jax.Array  # [B, block] histogram of accepted drafts per step
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Draft:
+    """The draft phase's result: k drafts per row after the anchor."""
+
+    tokens: jax.Array  # [B, k] int32
+    q: jax.Array | None  # [B, k, V] their distribution, None when they are the drafter's argmax
+    proposer: object  # the proposer's state after proposing
+    accept_keys: jax.Array  # [B] PRNG keys of this step's acceptance
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Verified:
+    """The check phase's result: the target's verdict on ``[anchor, d_1 .. d_k]``, nothing decided yet."""
+
+    out: TargetOutput  # logits [B, k+1, V], taps, hidden
+    cache: TargetCache  # K/V rows written, GDN inputs pending: commit(cache, n) keeps n of them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    tokens: jax.Array  # [B, max_new_tokens] int32, -1 past each row's length
+    lengths: jax.Array  # [B] tokens emitted per row
+    finish_reason: jax.Array  # [B] FinishReason (STOP, LENGTH or NONFINITE); names: finish_names()
+    steps: jax.Array  # [B] target verify steps per row (the first token comes from prefill)
+    accepted: jax.Array  # [B, block] how often 0..block-1 drafts were accepted
+
+    @property
+    def tau(self) -> jax.Array:
+        """Mean tokens committed per target step (accepted drafts + the bonus), per row [B]."""
+        counts = jnp.arange(1, self.accepted.shape[1] + 1)
+        return (self.accepted * counts).sum(-1) / jnp.maximum(self.steps, 1)
+
+    def token_lists(self) -> list[list[int]]:
+        """Per-row token ids, cut at each row's length."""
+        tokens, lengths = parallel.host((self.tokens, self.lengths))  # all rows, on every process
+        return [tokens[b, :lengths[b]].tolist() for b in range(tokens.shape[0])]
+
+    def finish_names(self) -> list[str]:
+        """Per-row finish reason names: "stop", "length" or "nonfinite"."""
+        return [FinishReason(int(r)).name.lower() for r in parallel.host(self.finish_reason)]
+
+
+def _row_keys(rng, batch: int) -> jax.Array:
+    """Per-row keys from an int seed, a key, or a [B] batch of keys (used as is, so a row can be rerun alone)."""
+    rng = jnp.asarray(rng)
+    if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        key = rng
+    elif rng.ndim == 0 and jnp.issubdtype(rng.dtype, jnp.integer):
+        key = jax.random.key(rng)
+    elif rng.dtype == jnp.uint32 and rng.ndim in (1, 2) and rng.shape[-1] == 2:  # raw key data: [2] or [B, 2]
+        key = jax.random.wrap_key_data(rng)
+    else:
+        raise ValueError(f"rng must be an int seed, a key, a [B] batch of keys or raw uint32 key data [2] / [B, 2], "
+                         f"got dtype {rng.dtype}, shape {rng.shape}")
+    if key.ndim > 1 or (key.ndim == 1 and key.shape[0] != batch):
+        raise ValueError(f"rng: a batch of keys needs one key per row, got shape {key.shape} for {batch} rows")
+    return key if key.ndim == 1 else jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(batch))
+
+
+def _write(out, n_out, tokens):
+    return jax.vmap(lambda o, s, t: jax.lax.dynamic_update_slice_in_dim(o, t, s, axis=0))(out, n_out, tokens)
+
+
+@functools.cache
+def _memory_bytes() -> tuple[int | None, str]:
+    """(bytes of memory the default device can hold, its name): the accelerator's limit, else host RAM."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"]), str(device)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"{device} (host memory)"
+    except (ValueError, OSError, AttributeError):
+        return None, str(device)
+
+
+def _phase(**jit_options):
+    """A loop phase: jitted with the loop static, traced under its mesh (``parallel.mesh_context``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def traced(self, *args, **kwargs):
+            with parallel.mesh_context(self.mesh):
+                return fn(self, *args, **kwargs)
+        return jax.jit(traced, static_argnames="self", **jit_options)
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeLoop:
+    """One configuration of the loop: the target's config and graph, the proposer, the spec (all static).
+
+    Every phase is a jitted method with the loop itself static: equal loops (equal fields) share
+    their compiled programs, so a second call with the same shapes compiles nothing. ``params`` is
+    always ``(target params, proposer params)``. The phases of one step, public so that benchmarks
+    time and profile the programs the loop runs:
+
+    - ``init(params, prompts, prompt_lens, rng) -> LoopState``: prefill, the first token, the proposer's init.
+    - ``draft(params, state) -> Draft``; ``check(params, state, draft) -> Verified``;
+      ``settle(params, state, draft, verified) -> LoopState`` (accept, emit, commit).
+    - ``step(params, state)``: the three in one program, the state donated.
+    - ``decode(params, state) -> (GenerateOutput, final LoopState)``: steps in a ``lax.while_loop``
+      until every row has finished (state donated, aliased to the final state); ``output(state)``: the
+      output of a state; ``run``: init + decode's output.
+    """
+
+    cfg: TargetConfig
+    graphdef: nnx.GraphDef
+    proposer: Proposer
+    spec: SpecConfig
+    mesh: jax.sharding.Mesh | None = None  # the state is pinned to ``parallel.state_shardings`` on it
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        block = self.spec.block_size
+        if block > 1 and isinstance(self.proposer, NoProposer):
+            raise ValueError(f"block_size {block} needs a drafter (no proposer was given)")
+        if block > self.proposer.max_block:
+            raise ValueError(f"block_size {block} exceeds the proposer's block size {self.proposer.max_block}")
+        outside = [t for t in self.spec.stop_ids or () if t >= self.cfg.vocab_size]
+        if outside:
+            raise ValueError(f"stop_ids: token id {outside[0]} is outside the target's vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
+        if self.spec.sampling.top_k > self.cfg.vocab_size:
+            raise ValueError(f"top_k {self.spec.sampling.top_k} exceeds the target's vocabulary of "
+                             f"{self.cfg.vocab_size}")
+        # Hashed on every jitted call: the graphs are large, so hash them once.
+        object.__setattr__(self, "_hash", hash((self.cfg, self.graphdef, self.proposer, self.spec, self.mesh)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @classmethod
+    def of(cls, target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(),
+           mesh: jax.sharding.Mesh | None = None):
+        """The loop of a target; with a ``mesh`` its phases trace under it (MoE layers run expert-parallel)
+        and the state keeps one layout across steps (params, prompts: ``parallel.shard_params``/``shard_rows``)."""
+        return cls(cfg=target.cfg, graphdef=target.graphdef, proposer=proposer, spec=spec, mesh=mesh)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        stop = self.cfg.eos_token_ids if self.spec.stop_ids is None else self.spec.stop_ids
+        return tuple(stop) if stop else (-1,)
+
+    def capacity(self, batch: int, bucket: int, dtype) -> int:
+        """The target cache length for a [batch, bucket] prompt batch; a clear error if it cannot be held."""
+        max_new, block = self.spec.max_new_tokens, self.spec.block_size
+        need = bucket + max_new + block
+        capacity = need if self.spec.capacity is None else self.spec.capacity
+        if capacity < need:
+            raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "
+                             f"max_new_tokens {max_new} + block_size {block} = {need}")
+        # Checked again by init once the proposer's state exists; here before prefill is traced at this size.
+        self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
+        limit = getattr(self.cfg, "max_position_embeddings", None)
+        if limit and bucket + max_new > limit:
+            warnings.warn(f"prompt bucket {bucket} + max_new_tokens {max_new} = {bucket + max_new} exceeds the "
+                          f"target's max_position_embeddings {limit}: positions past it are untrained",
+                          stacklevel=2)
+        return capacity
+
+    def _check_held(self, batch: int, capacity: int, caches) -> None:
+        """A clear error when ``caches`` (a pytree of arrays or shapes: the target's cache, the proposer's
+        state) and the output of ``batch`` rows exceed one device's memory; a mesh's data axis splits
+        the rows (when it divides them)."""
+        max_new, block = self.spec.max_new_tokens, self.spec.block_size
+        nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches)) + batch * (max_new + block) * 4
+        data = 1 if self.mesh is None else dict(self.mesh.shape).get("data", 1)
+        rows = data if batch % data == 0 else 1
+        memory, device = _memory_bytes()
+        if capacity >= 2**31 - 1 or (memory is not None and nbytes / rows > memory):
+            held = "" if memory is None else f" ({memory / 2**30:.1f} GiB on {device})"
+            split = f", {nbytes / rows / 2**30:.1f} GiB per device over the data axis of {rows}" if rows > 1 else ""
+            raise ValueError(f"max_new_tokens {max_new} cannot be held: {batch} rows of {capacity} cache positions "
+                             f"need {nbytes / 2**30:.1f} GiB for the caches and the output alone{split}, more "
+                             f"than the memory{held}; lower max_new_tokens or the batch")
+
+    def _finite(self, logits, chosen):
+        """Logits [..., V] -> [...] True where their peak after the temperature is finite: the rules' choice
+        from them is then well defined (a NaN anywhere, a +inf or all -inf is not; -inf beside a finite peak
+        is a token of probability 0). ``chosen`` [...]: the tokens the rules chose from these logits.
+
+        Greedy reads one logit per position: the chosen token is the argmax, and argmax returns a NaN's
+        index, so its logit is the peak. Sampling takes the max over V (beside the several passes over V
+        that its rules make)."""
+        t = self.spec.sampling.temperature
+        if t == 0:
+            return jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
+        return jnp.isfinite(jnp.max(logits, axis=-1).astype(jnp.float32) / t)  # max(x) / t = max(x / t), t > 0
+
+    @_phase()
+    def init(self, params, prompts, prompt_lens, rng) -> LoopState:
+        """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token."""
+        tparams, pparams = params
+        prompts, prompt_lens = prompts.astype(jnp.int32), prompt_lens.astype(jnp.int32)
+        B, P = prompts.shape
+        view = TargetView.of(tparams)
+        capacity = self.capacity(B, P, view.embedding.dtype)
+        keys = _row_keys(rng, B)
+        out, cache = prefill(self.graphdef, tparams, prompts, prompt_lens, capacity=capacity,
+                             taps=self.proposer.taps)
+        first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
+        state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
+                                   prompt_lens=prompt_lens, capacity=capacity)
+        self._check_held(B, capacity, (cache, state))
+        max_new, block = self.spec.max_new_tokens, self.spec.block_size
+        finite = self._finite(out.logits, first)
+        finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
+                           jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
+        return self._pin(LoopState(
+            cache=cache, proposer=state, anchor=first,
+            out=jnp.zeros((B, max_new + block), jnp.int32).at[:, 0].set(first),
+            n_out=finite.astype(jnp.int32),
+            finish=jnp.where(finite, finish, FinishReason.NONFINITE).astype(jnp.int32), keys=keys,
+            step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
+            accepted=jnp.zeros((B, block), jnp.int32)))
+
+    def _pin(self, state, batch: int | None = None):
+        """A loop state (or a proposer's state of ``batch`` rows) in its mesh layout (no-op without a mesh),
+        so no step gathers a cache."""
+        batch = state.anchor.shape[0] if batch is None else batch
+        return parallel.pin_state(state, batch, self.mesh, self.cfg, self.proposer)
+
+    @_phase()
+    def draft(self, params, state: LoopState) -> Draft:
+        """Phase 1: the proposer's k = block_size - 1 drafts after each row's anchor."""
+        tparams, pparams = params
+        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, state.step)))(state.keys)  # [B, 2]
+        tokens, q, pstate = self.proposer.propose(
+            params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
+            k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
+        return Draft(tokens=tokens, q=q, proposer=self._pin(pstate, tokens.shape[0]), accept_keys=keys[:, 1])
+
+    @_phase()
+    def check(self, params, state: LoopState, draft: Draft) -> Verified:
+        """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
+        block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1]
+        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps)
+        return Verified(out=out, cache=self._pin(cache, block.shape[0]))
+
+    @_phase()
+    def settle(self, params, state: LoopState, draft: Draft, verified: Verified) -> LoopState:
+        """Phase 3: accept, emit (cut at stop ids, max_new_tokens, non-finite logits), commit target and proposer."""
+        tparams, pparams = params
+        k, max_new = self.spec.block_size - 1, self.spec.max_new_tokens
+        s, logits = state, verified.out.logits
+        a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, self.spec.sampling)
+        # Emitted this step: d_1 .. d_a, then the bonus at index a; token j is decided by the logits at j.
+        # Cut after a stop id, at max_new_tokens, and before the first non-finite logits the rules read.
+        j = jnp.arange(k + 1)[None, :]
+        emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])  # [B, k+1]
+        bad = ~self._finite(logits, emitted) & (j <= a[:, None])  # [B, k+1]; the rules chose emitted[:, :a+1]
+        first_bad = jnp.where(bad.any(1), jnp.argmax(bad, axis=1), k + 1)
+        active = s.finish == FinishReason.RUNNING
+        is_stop = jnp.isin(emitted, jnp.asarray(self.stop_ids)) & (j <= a[:, None])
+        first_stop = jnp.where(is_stop.any(1), jnp.argmax(is_stop, axis=1), k + 1)
+        count = jnp.minimum(jnp.minimum(a + 1, first_stop + 1), jnp.minimum(max_new - s.n_out, first_bad))
+        count = jnp.where(active, count, 0)
+        n_out = s.n_out + count
+        finish = jnp.where(first_stop < count, FinishReason.STOP,
+                           jnp.where(n_out >= max_new, FinishReason.LENGTH,
+                                     jnp.where(first_bad <= k, FinishReason.NONFINITE, FinishReason.RUNNING)))
+        finish = jnp.where(active, finish, s.finish)
+        n = jnp.where(active, a + 1, 0)  # a row that finished here commits too; nothing reads it again
+        pstate = self.proposer.commit(params=pparams, view=TargetView.of(tparams), state=draft.proposer,
+                                      verified=verified.out, n=n)
+        return self._pin(LoopState(
+            cache=commit(verified.cache, n), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
+            out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
+            keys=s.keys, step=s.step + 1, steps=s.steps + active,
+            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None]))))
+
+    @_phase(donate_argnames="state")
+    def step(self, params, state: LoopState) -> LoopState:
+        """One target step: draft, check, settle."""
+        draft = self.draft(params, state)
+        return self.settle(params, state, draft, self.check(params, state, draft))
+
+    @_phase(donate_argnames="state")
+    def decode(self, params, state: LoopState) -> tuple[GenerateOutput, LoopState]:
+        """Steps until every row has finished, on device: (the output, the final state).
+
+        The final state is returned so that the donated state's buffers alias it: the loop updates
+        the caches in place instead of copying them at entry."""
+        state = jax.lax.while_loop(lambda s: jnp.any(s.finish == FinishReason.RUNNING),
+                                   functools.partial(self.step, params), state)
+        return self.output(state), state
+
+    @_phase()
+    def output(self, state: LoopState) -> GenerateOutput:
+        max_new = self.spec.max_new_tokens
+        valid = jnp.arange(max_new)[None, :] < state.n_out[:, None]
+        return GenerateOutput(tokens=jnp.where(valid, state.out[:, :max_new], -1), lengths=state.n_out,
+                              finish_reason=state.finish, steps=state.steps, accepted=state.accepted)
+
+    @_phase()
+    def recent(self, state: LoopState) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(n_out [B], finish [B], out[b, max(n_out[b] - block, 0) :][:block] [B, block]): all a step can
+        have emitted, which ``stream`` copies to the host instead of the whole ``out``."""
+        block = self.spec.block_size
+        start = jnp.maximum(state.n_out - block, 0)
+        window = jax.vmap(lambda o, s: jax.lax.dynamic_slice_in_dim(o, s, block))(state.out, start)
+        return state.n_out, state.finish, window
+
+    @_phase()
+    def run(self, params, prompts, prompt_lens, rng) -> GenerateOutput:
+        """The whole generation: init, then decode."""
+        return self.decode(params, self.init(params, prompts, prompt_lens, rng))[0]

@@ -1,0 +1,166 @@
+"""Draft proposers behind one typed interface, so the loop in ``speculative.py`` does not care who drafts.
+
+A proposer is a frozen, hashable description (static under jit) implementing ``Proposer``: three pure,
+keyword-only methods, ``init`` after the target's prefill, ``propose`` of k drafts after the anchor
+and ``commit`` of the n tokens the target kept. Its parameters travel separately as a pytree
+(``params``), like the target's. What a proposer may use of the target is a ``TargetView``: the
+embedding and the LM head, nothing else; ``taps`` names the target layers whose outputs it consumes
+(the target returns them from prefill and verify, in ``TargetOutput.taps``).
+
+- ``NoProposer``: no drafts; the loop becomes plain autoregressive decoding (the baseline).
+- ``DFlashProposer``: the block-diffusion drafter, one pass per block, fed by KV injection.
+- ``OracleProposer``: replays a known continuation with an error at a chosen offset per step, so
+  that every acceptance count occurs (tests, and benchmarks that isolate loop cost from drafter quality).
+- ``MTPProposer`` (in ``mtp.py``): Qwen3.5's own multi-token-prediction head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax.config import DrafterConfig
+from dflash_jax.decoding.sampling import SamplingConfig, draft_tokens
+from dflash_jax.models import drafter as dr
+from dflash_jax.models.target import TargetOutput, lm_logits
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetView:
+    """The part of the target a proposer reads: its token embedding and LM head (arrays, no module).
+
+    Built by the loop from the target's params (``TargetView.of``), without merging the target module.
+    """
+
+    embedding: jax.Array  # [V, D]
+    lm_head: jax.Array | None  # [V, D]; None: tied to the embedding
+
+    @classmethod
+    def of(cls, params) -> TargetView:
+        """The view of a target's params (the ``nnx.State`` of a ``Qwen35ForCausalLM``)."""
+        head = params["lm_head"]["weight"].get_value() if "lm_head" in params else None
+        return cls(embedding=params["model"]["embed_tokens"]["weight"].get_value(), lm_head=head)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """Token ids [...] -> embeddings [..., D]."""
+        return jnp.take(self.embedding, tokens, axis=0)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """Final-normed hidden states [..., D] -> logits [..., V]: the target's own head (``target.lm_logits``)."""
+        return lm_logits(h, self.embedding, self.lm_head)
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """What the loop calls. Shapes: B rows, k drafts, V vocab; ``state`` is the proposer's own pytree.
+
+    - ``init(params, view, prefill, prompts [B, P], prompt_lens [B], capacity S) -> state``, after the
+      target's prefill (``prefill``: its ``TargetOutput``).
+    - ``propose(params, view, state, anchor [B], k, keys [B], sampling) -> (drafts [B, k], q, state)``:
+      q [B, k, V] is the drafts' distribution, or None when the drafts are the argmax (q one-hot).
+    - ``commit(params, view, state, verified, n [B]) -> state``: the target kept the first n of
+      ``[anchor, d_1 .. d_k]`` (``verified``: the verify's ``TargetOutput``).
+    """
+
+    taps: tuple[int, ...]  # target layers whose outputs the proposer consumes
+    max_block: int  # the largest block (anchor + drafts) it can draft
+
+    def init(self, *, params, view: TargetView, prefill: TargetOutput, prompts: jax.Array,
+             prompt_lens: jax.Array, capacity: int) -> Any: ...
+
+    def propose(self, *, params, view: TargetView, state, anchor: jax.Array, k: int, keys: jax.Array,
+                sampling: SamplingConfig) -> tuple[jax.Array, jax.Array | None, Any]: ...
+
+    def commit(self, *, params, view: TargetView, state, verified: TargetOutput, n: jax.Array) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class NoProposer:
+    """Autoregressive decoding: block size 1."""
+
+    taps: tuple[int, ...] = ()
+    max_block: int = 1
+
+    def init(self, *, params, view, prefill, prompts, prompt_lens, capacity):
+        return ()
+
+    def propose(self, *, params, view, state, anchor, k, keys, sampling):
+        return jnp.zeros((anchor.shape[0], k), jnp.int32), None, state
+
+    def commit(self, *, params, view, state, verified, n):
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashProposer:
+    """The DFlash drafter; its params are the drafter's, its embedding and LM head are the target's."""
+
+    cfg: DrafterConfig
+    graphdef: nnx.GraphDef
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.cfg.target_layer_ids
+
+    @property
+    def max_block(self) -> int:
+        return self.cfg.block_size
+
+    def init(self, *, params, view, prefill: TargetOutput, prompts, prompt_lens, capacity):
+        model = nnx.merge(self.graphdef, params)
+        cache = dr.init_draft_cache(self.cfg, prompt_lens.shape[0], capacity, prefill.taps.dtype)
+        return dr.advance(dr.write_context(model, cache, prefill.taps), prompt_lens)
+
+    def propose(self, *, params, view: TargetView, state, anchor, k, keys, sampling):
+        model = nnx.merge(self.graphdef, params)
+        block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
+                                                           jnp.int32)], axis=1)  # [B, k+1]
+        hidden, cache = dr.draft_block(model, state, view.embed(block))
+        drafts, q = draft_tokens(dr.draft_logits(self.cfg, view.logits(hidden[:, 1:])), keys, sampling)
+        return drafts, q, cache
+
+    def commit(self, *, params, view, state, verified: TargetOutput, n):
+        model = nnx.merge(self.graphdef, params)
+        return dr.advance(dr.write_context(model, state, verified.taps), n)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class OracleParams:
+    continuation: jax.Array  # [B, L] the tokens plain decoding emits (first generated token at 0)
+    errors: jax.Array  # [E] int32 draft offset corrupted at step t (row b uses errors[(t + b) % E])
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleProposer:
+    """Drafts the known continuation, corrupting offset errors[...] of each block (offset >= k: none).
+
+    With errors cycling through 0..k every acceptance count 0..k occurs; a wrong commit or acceptance
+    rule then shows up as output that differs from plain decoding.
+    """
+
+    vocab_size: int
+    taps: tuple[int, ...] = ()
+    max_block: int = 1 << 30
+
+    def init(self, *, params: OracleParams, view, prefill, prompts, prompt_lens, capacity):
+        B = prompt_lens.shape[0]
+        return jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)  # anchor index, step
+
+    def propose(self, *, params: OracleParams, view, state, anchor, k, keys, sampling):
+        pos, step = state
+        B, L = params.continuation.shape
+        idx = jnp.minimum(pos[:, None] + 1 + jnp.arange(k)[None, :], L - 1)
+        drafts = jnp.take_along_axis(params.continuation, idx, axis=1)
+        offset = params.errors[(step + jnp.arange(B)) % params.errors.shape[0]]
+        wrong = jnp.arange(k)[None, :] == offset[:, None]
+        return jnp.where(wrong, (drafts + 1) % self.vocab_size, drafts).astype(jnp.int32), None, state
+
+    def commit(self, *, params, view, state, verified, n):
+        pos, step = state
+        return pos + n, step + 1

@@ -1,0 +1,217 @@
+"""What every front end does before decoding: model paths, tokenizer, prompt encoding, proposer choice.
+
+Sits between the library (``target.py``, ``drafter.py``, ``proposers.py``, ``mtp.py``) and its front
+ends: the ``dflash-jax`` command (``cli.py``), the benchmark client (``bench.py``, ``quant_report.py``)
+and the workloads' prompt files (``workloads.py``). They resolve the default models, load and check
+the tokenizer, encode a prompt, read JSONL prompt files and turn a method string (``ar``, ``mtp:K``,
+``dflash:B``) into a proposer the same way, through this module. Errors are ``ValueError``s whose
+message names the flag, file or folder the user gave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.decoding.proposers import DFlashProposer, NoProposer
+
+# The shipped small models (``target``, ``drafter``); DFLASH_JAX_ASSETS points at another folder of that layout.
+ASSETS = Path(os.environ.get("DFLASH_JAX_ASSETS", str(resources.files("dflash_jax") / "assets")))
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# A folder with none of these holds no tokenizer (transformers would silently build an empty one).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tekken.json",
+                   "tokenizer.tiktoken")
+
+
+def default_dtype() -> str:
+    """bfloat16 on accelerators (a 27B target and its drafter fit one H200 only in bf16), float32 on CPU."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def model_dirs(model: str | None, draft_model: str | None) -> tuple[Path, Path | None]:
+    """(target dir, drafter dir or None): the shipped pair by default; no drafter with a user's --model."""
+    if model is None:
+        return ASSETS / "target", Path(draft_model) if draft_model else ASSETS / "drafter"
+    return Path(model), Path(draft_model) if draft_model else None
+
+
+def _no_torch_banner(record: logging.LogRecord) -> bool:
+    """transformers announces at import that it found no PyTorch; tokenizers never need it, so say nothing."""
+    return "PyTorch was not found" not in record.getMessage()
+
+
+def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
+    """The Hugging Face tokenizer in folder ``path``; a clear error naming ``flag`` and the folder otherwise."""
+    logging.getLogger("transformers").addFilter(_no_torch_banner)  # before the import that prints it
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{flag} {path}: not a directory")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{flag} {path}: no tokenizer files in the folder (expected one of "
+                         f"{', '.join(TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {path}: no usable tokenizer ({e})") from None
+
+
+def uses_chat_template(tokenizer, chat: str) -> bool:
+    """``chat`` "auto" (when the tokenizer has a template), "on" (an error without one) or "off"."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat == "on" and not has_template:
+        raise ValueError("--chat-template on: the tokenizer has no chat template")
+    return chat != "off" and has_template
+
+
+def encode(tokenizer, text: str, chat: str = "auto", thinking: bool = False) -> list[int]:
+    """Token ids of one user turn: rendered by the chat template (as text, then encoded) or the raw text.
+
+    The template is rendered to text rather than tokenized by ``apply_chat_template``, whose
+    return type differs between transformers versions (a mapping in 5.x); the rendered text already
+    holds every special token, so none are added again.
+    """
+    if uses_chat_template(tokenizer, chat):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=thinking)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encoding_name(tokenizer, chat: str, thinking: bool) -> str:
+    """How ``encode`` makes ids with these settings: "chat template (thinking on/off)" or "raw text"."""
+    if uses_chat_template(tokenizer, chat):
+        return f"chat template (thinking {'on' if thinking else 'off'})"
+    return "raw text"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B)."""
+
+    kind: str
+    block: int
+
+    @property
+    def name(self) -> str:
+        return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": f"dflash:{self.block}"}[self.kind]
+
+
+AR = Method("ar", 1)
+
+
+def parse_method(item: str, flag: str = "--methods") -> Method:
+    """'ar', 'mtp:K' (K in 1..15) or 'dflash:B' (B >= 2) -> Method; errors name ``flag``."""
+    item = item.strip()
+    if item == "ar":
+        return AR
+    kind, _, arg = item.partition(":")
+    if kind not in ("mtp", "dflash") or not arg.isdigit():
+        raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15) or dflash:B (B >= 2)")
+    n = int(arg)
+    if kind == "mtp" and not 1 <= n <= 15:
+        raise ValueError(f"{flag}: {item!r}: MTP steps K must be in 1..15")
+    if kind == "dflash" and n < 2:
+        raise ValueError(f"{flag}: {item!r}: DFlash block B must be >= 2 (block 1 is ar)")
+    return Method(kind, n + 1 if kind == "mtp" else n)
+
+
+def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None):
+    """(target, drafter or None) for ``methods``: the MTP head only when an MTP method is among them.
+
+    The drafter is loaded only when a DFlash method is among them; one without ``draft_dir`` is an error.
+    With a ``mesh`` (``sharding.make_mesh``) the target's tensors load straight onto their shards; the
+    drafter (small) loads on one device and the loop moves it onto the mesh.
+    """
+    from dflash_jax.models.drafter import load_drafter
+    from dflash_jax.models.target import load_target
+
+    kinds = {m.kind for m in methods}
+    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False, mesh=mesh)
+    drafter = None
+    if "dflash" in kinds:
+        if draft_dir is None:
+            raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
+                             f"shipped one, so there is no default drafter)")
+        drafter = load_drafter(draft_dir, target, progress=progress)
+        check_blocks(methods, drafter, draft_dir)
+    return target, drafter
+
+
+def check_blocks(methods, drafter, where) -> None:
+    """A clear error naming the DFlash ``methods`` with a block larger than ``drafter``'s (loaded from ``where``)."""
+    too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
+    if too_big:
+        raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
+                         f"({where})")
+
+
+def has_mtp(target) -> bool:
+    """Whether the loaded target carries the MTP head (``mtp.*`` weights)."""
+    return "mtp" in target.params
+
+
+def proposer_for(method: Method, target, drafter):
+    """(proposer, proposer params) drafting for ``method`` (``load_models`` loaded what it needs)."""
+    if method.kind == "ar":
+        return NoProposer(), ()
+    if method.kind == "dflash":
+        return DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
+    from dflash_jax.decoding.mtp import MTPProposer, mtp_params
+
+    return MTPProposer.of(target, method.block - 1), mtp_params(target)
+
+
+def _jsonl_rows(path: str, flag: str):
+    """(line number, JSON object) per non-blank line of a JSONL file ('-': stdin); errors name ``flag`` and the line."""
+    if path == "-":
+        data, where = sys.stdin.buffer.read(), f"{flag} - (stdin)"
+    else:
+        file, where = Path(path), f"{flag} {path}"
+        if file.is_dir():
+            raise ValueError(f"{where}: is a directory, not a JSONL file")
+        if not file.is_file():
+            raise ValueError(f"{where}: does not exist")
+        data = file.read_bytes()
+    for i, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column "
+                             f"{e.start + 1})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: line {i} is a JSON {type(row).__name__}, not an object")
+        yield i, row
+
+
+def read_jsonl(path: str, flag: str) -> list[dict]:
+    """The JSON objects of a JSONL file ('-': stdin), one per non-blank line; errors name ``flag`` and the line."""
+    return [row for _, row in _jsonl_rows(path, flag)]
+
+
+def read_prompt_texts(path: str, flag: str) -> list[str]:
+    """The prompts of a JSONL file ('-': stdin): each line's ``"prompt"`` string, or the first of its
+    ``"turns"`` (z-lab's cached format); errors name ``flag`` and the file's line."""
+    texts = []
+    for i, row in _jsonl_rows(path, flag):
+        turns = row.get("turns")
+        text = row.get("prompt", turns[0] if isinstance(turns, list) and turns else None)
+        if not isinstance(text, str):
+            raise ValueError(f'{flag} {path}: line {i} has no "prompt" string (or "turns" list of strings)')
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{flag} {path}: no prompts in the file")
+    return texts
+

@@ -1,0 +1,5 @@
+"""Files in and out: safetensors checkpoints (read lazily, with a manifest), atomic writes of user files.
+
+The layer under the models: nothing here knows a model's structure; ``models/`` maps checkpoint keys
+onto module paths and calls these readers and writers.
+"""

@@ -1,0 +1,262 @@
+"""The DFlash drafter: target hidden states injected into its KV cache, one pass drafts a whole block.
+
+Sits after ``target.py`` (whose verify/prefill return the "taps": outputs of ``target_layer_ids``)
+and is used by ``proposers.py``. The drafter is a small Qwen3 decoder with no embedding or LM head
+of its own (it borrows the target's). ``write_context`` turns taps into K/V at the tokens' absolute
+positions in every layer's cache (written for all T tokens, committed by ``advance``, like the
+target's verify/commit); ``draft_block`` runs the block ``[anchor, mask x (Bk-1)]`` over
+``[context ; block]`` in one pass, each layer a ``DrafterLayer`` call. Training
+(``train/drafter.py``) runs this same ``draft_block``, batched over anchors, so there is one layer
+forward. The module tree mirrors the z-lab checkpoint keys, so ``load_drafter`` is a plain
+key-for-key load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax import kernels
+from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
+from dflash_jax.io import atomic, checkpoint
+from dflash_jax.kernels import dispatch
+from dflash_jax.models.layers import MLP, Linear, RMSNorm, SplitModel, attention
+from dflash_jax.models.rope import rotate, rows, table
+
+
+def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
+    """z-lab's ``compute_logits`` on the target head's logits of drafter states: the output multiplier,
+    then the tanh softcap (both no-ops at their defaults). [..., V] -> [..., V]."""
+    if cfg.output_multiplier != 1.0:
+        logits = logits * cfg.output_multiplier
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = jnp.tanh(logits / cap) * cap
+    return logits
+
+
+class DrafterAttention(nnx.Module):
+    """Qwen3 attention (q/k norms, full-head NeoX RoPE, GQA) whose cache is fed by the target."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.kernels = kernels
+        self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+
+    def kv(self, h: jax.Array, rot: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """K/V of inputs h [B, T, D] whose positions' cos/sin are rot [B, T, 2, H/2]: each [B, T, K, H]."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        k = rotate(self.k_norm(self.k_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)), rot)
+        return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
+
+    def __call__(self, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, rot: jax.Array, *,
+                 causal: bool, window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block's attention over ``[context ; block]``.
+
+        Args:
+          h: [B, T, D] normed block inputs at positions start[b] + t.
+          k_cache, v_cache: [B, K, S, H] / [B, K, H, S] (``kernels.cache_shapes``) holding the context K/V at
+            positions [0, start[b]).
+          start: [B] int32 committed context length (the block's first position).
+          rot: [B, T, 2, H/2] the block positions' cos/sin (``rope.rows``).
+        Returns:
+          (output [B, T, D], the caches with the block's K/V written into rows [start, start + T)).
+        """
+        cfg = self.cfg
+        B, T, _ = h.shape
+        N, H = cfg.num_attention_heads, cfg.head_dim
+        q = rotate(self.q_norm(self.q_proj(h).reshape(B, T, N, H)), rot)
+        k, v = self.kv(h, rot)
+        # The block sits right behind the committed context, so one kernel call covers [context ; block].
+        k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
+        o = attention(q, k_cache, v_cache, start, start + T, causal=causal, window=window, mode=self.kernels)
+        return self.o_proj(o.reshape(B, T, N * H)), k_cache, v_cache
+
+
+class DrafterLayer(nnx.Module):
+    """One Qwen3 decoder layer (pre-norm attention, then pre-norm SwiGLU), with its layer's mask settings."""
+
+    def __init__(self, cfg: DrafterConfig, index: int, *, dtype, kernels: str, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.causal = cfg.layer_causal(index)  # static: causal inside the block
+        self.window = cfg.layer_window(index)  # static: sliding window or None
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
+                 rot: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D] at positions start[b] + t (cos/sin rot) -> (x [B, T, D], caches with the block's K/V written)."""
+        o, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, start, rot,
+                                             causal=self.causal, window=self.window)
+        x = x + o
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class DFlashDrafter(nnx.Module):
+    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head).
+
+    ``kernels`` is the attention kernel mode (None: ``kernels.default_mode()``), a static attribute.
+    """
+
+    def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str | None = None, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.kernels = kernels = dispatch.resolve(kernels)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.layers = nnx.List([DrafterLayer(cfg, i, dtype=dtype, kernels=kernels, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftCache:
+    k: tuple[jax.Array, ...]  # per drafter layer [B, K, S, H]
+    v: tuple[jax.Array, ...]  # per drafter layer [B, K, H, S] (``kernels.cache_shapes``)
+    lengths: jax.Array  # [B] int32 committed context tokens per row
+    rope: jax.Array  # [S, 2, H/2] f32 cos/sin of every position (``rope.table``)
+
+
+def init_draft_cache(cfg: DrafterConfig, batch: int, capacity: int, dtype) -> DraftCache:
+    """An empty cache. Capacity must cover the longest context plus one block (its rows are written)."""
+    k, v = zip(*(kernels.empty_cache(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                 for _ in range(cfg.num_hidden_layers)), strict=True)
+    return DraftCache(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32),
+                      rope=table(capacity, theta=cfg.rope_theta, rotary_dim=cfg.head_dim, scaling=cfg.rope_scaling))
+
+
+def write_context(drafter: DFlashDrafter, cache: DraftCache, taps: jax.Array) -> DraftCache:
+    """KV injection: writes context K/V for T tokens at positions lengths[b] + t in every layer.
+
+    Args:
+      taps: [B, T, n * Dt] target layer outputs at ``target_layer_ids``, concatenated.
+    Returns:
+      The cache with rows [lengths, lengths + T) written; lengths unchanged (``advance`` commits).
+    """
+    T = taps.shape[1]
+    c = drafter.hidden_norm(drafter.fc(taps.astype(drafter.fc.weight.dtype)))  # [B, T, D], shared by all layers
+    rot = rows(cache.rope, cache.lengths, T)
+    ks, vs = [], []
+    for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
+        kc, vc = kernels.write_cache(kc, vc, *layer.self_attn.kv(c, rot), cache.lengths)
+        ks.append(kc)
+        vs.append(vc)
+    return dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
+
+
+def advance(cache: DraftCache, n) -> DraftCache:
+    """Commits the first n[b] context tokens of the last ``write_context`` (n: [B] or scalar)."""
+    return dataclasses.replace(cache, lengths=cache.lengths + jnp.asarray(n, jnp.int32))
+
+
+def draft_block(drafter: DFlashDrafter, cache: DraftCache, x: jax.Array) -> tuple[jax.Array, DraftCache]:
+    """One denoising pass over the block at positions lengths[b] + j.
+
+    Args:
+      x: [B, Bk, D] target embeddings of ``[anchor, mask x (Bk-1)]``.
+    Returns:
+      (final-normed hidden states [B, Bk, D] for the target's LM head, the cache with the block's
+      K/V in rows [lengths, lengths + Bk): uncommitted, overwritten by the next ``write_context``).
+    """
+    cfg = drafter.cfg
+    x = x.astype(drafter.fc.weight.dtype)
+    if cfg.input_embedding_scale != 1.0:  # z-lab scales the block's embeddings
+        x = x * cfg.input_embedding_scale
+    start = cache.lengths
+    rot = rows(cache.rope, start, x.shape[1])
+    ks, vs = [], []
+    for layer, kc, vc in zip(drafter.layers, cache.k, cache.v, strict=True):
+        x, kc, vc = layer(x, kc, vc, start, rot)
+        ks.append(kc)
+        vs.append(vc)
+    return drafter.norm(x), dataclasses.replace(cache, k=tuple(ks), v=tuple(vs))
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter(SplitModel):
+    """A loaded drafter: config, the static graph and its parameters (a pytree); ``module()`` is the
+    ``DFlashDrafter``, ``kernels`` / ``with_kernels`` its attention kernel mode."""
+
+    cfg: DrafterConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+
+def init_drafter(cfg: DrafterConfig, *, dtype=jnp.float32, seed: int = 0, kernels: str | None = None) -> Drafter:
+    """A drafter with freshly initialised weights (tests, training init); ``kernels`` as in ``DFlashDrafter``."""
+    graphdef, params = nnx.split(DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(seed)))
+    return Drafter(cfg, graphdef, params)
+
+
+def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
+    """Raises ConfigError listing every way the drafter cannot run on this target."""
+    n, D = len(cfg.target_layer_ids), target_cfg.hidden_size
+    problems = []
+    if cfg.target_hidden_size != D:
+        problems.append(f"drafter fc takes {n} x target_hidden_size {cfg.target_hidden_size} = "
+                        f"{n * cfg.target_hidden_size} inputs, but {n} taps of the target (hidden_size {D}) "
+                        f"give {n * D}")
+    if cfg.hidden_size != D:
+        problems.append(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {D} (the drafter "
+                        f"consumes the target's embeddings and LM head)")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        problems.append(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if cfg.mask_token_id >= target_cfg.vocab_size:
+        problems.append(f"drafter mask_token_id {cfg.mask_token_id} is not a row of the target's embedding "
+                        f"(target vocab_size {target_cfg.vocab_size})")
+    bad = [i for i in cfg.target_layer_ids if i >= target_cfg.num_hidden_layers]
+    if bad:
+        problems.append(f"drafter target_layer_ids {list(cfg.target_layer_ids)} include {bad}, outside the "
+                        f"target's layers 0..{target_cfg.num_hidden_layers - 1}")
+    if problems:
+        raise ConfigError("drafter does not fit the target:\n  " + "\n  ".join(problems))
+
+
+def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = None,
+                 progress: bool = True) -> Drafter:
+    """Loads a z-lab drafter directory (config.json + model.safetensors) for ``target``.
+
+    Args:
+      path: the drafter directory.
+      target: a ``dflash_jax.models.target.Target``; its config is checked against the drafter's.
+      dtype: parameter dtype; None uses the target's.
+      kernels: kernel mode; None uses the target's.
+    """
+    path = Path(path)
+    cfg = DrafterConfig.from_pretrained(path)
+    check_fits(cfg, target.cfg)
+    dtype = target.dtype if dtype is None else dtype
+    kernels = target.kernels if kernels is None else kernels
+    graphdef, abstract = nnx.split(nnx.eval_shape(
+        lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0))))
+    flat = nnx.to_flat_state(abstract)
+    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.
+    ignore = [r"(model\.)?embed_tokens\.", r"lm_head\."]
+    arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
+    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
+    return Drafter(cfg, graphdef, params)
+
+
+def save_drafter(path: str | Path, drafter: Drafter) -> None:
+    """Writes ``path``/config.json (z-lab format) and ``path``/model.safetensors; ``load_drafter`` reads them."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(path / "config.json", json.dumps(drafter.cfg.to_hf(), indent=2))  # each file whole
+    tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.params)}
+    checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})

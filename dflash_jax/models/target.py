@@ -1,0 +1,366 @@
+"""The Qwen3.5 target model (dense and MoE) and its speculative cache protocol: prefill, verify, commit.
+
+Sits on top of ``layers.py`` and ``cache.py`` and below the proposers and the loop. The NNX modules
+mirror the HF checkpoint tree, so a parameter's path is its checkpoint key; but the Gated DeltaNet
+channel rows (``in_proj_qkv``, ``conv1d``) are head-grouped (``layers.gdn_channel_order``), not the
+checkpoint's q | k | v: ``load_target`` permutes them as it reads, ``layers.hf_tensors`` back. At
+jit boundaries the model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify``
+merge them inside the trace. Both return the hidden states of requested layers ("taps": the output
+of layer i, HF's ``hidden_states[i + 1]``), which the DFlash drafter consumes.
+
+The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below keep together:
+``verify(tokens[B, T], cache)`` processes T tokens per row without deciding what is kept, and
+``commit(cache, n[B])`` keeps exactly the first n[b] of them per row, bit-for-bit the cache of having
+processed only those n[b] tokens. Full-attention layers: verify writes K/V rows [len, len + T),
+commit only advances ``lengths`` (rejected rows are masked by length and overwritten later). Gated
+DeltaNet layers (``GatedDeltaNet.verify``/``.commit``): verify reads the state and conv window
+without writing them and records each token's update (``GDNPending``); commit applies the first n
+of them to the old state (in closed form) and slides the conv window. Decoding one token is verify(T=1)
+followed by commit(1). ``verify`` and ``commit`` donate the cache they are given, so a step updates
+it in place instead of copying it (the Pallas replay also aliases the state it rewrites).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dflash_jax import parallel
+from dflash_jax.config import TargetConfig, read_target_config
+from dflash_jax.io import atomic, checkpoint
+from dflash_jax.kernels import dispatch as kernel_modes
+from dflash_jax.models import quant, rope
+from dflash_jax.models.cache import AttentionCache, GDNCache, TargetCache, init_cache, split_pending, with_pending
+from dflash_jax.models.layers import (
+    MLP,
+    Embedding,
+    GatedAttention,
+    GatedDeltaNet,
+    Linear,
+    RMSNorm,
+    SparseMoeBlock,
+    SplitModel,
+    gdn_channels,
+)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TargetConfig, kind: str, *, dtype, kernels: str, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        if kind == "full_attention":
+            self.self_attn = GatedAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        if cfg.is_moe:
+            self.mlp = SparseMoeBlock(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        else:
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+
+    def _mlp_residual(self, x, h):
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend(self, x, cache: AttentionCache, start, rot):
+        """Full-attention layer over new tokens at positions start[b] + t (cos/sin ``rot``); writes their K/V."""
+        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start, rot)
+        return self._mlp_residual(x, h), AttentionCache(k, v)
+
+    def gdn_prefill(self, x, lengths):
+        """GDN layer over a right-padded prompt from an empty state."""
+        h, cache = self.linear_attn.prefill(self.input_layernorm(x), lengths)
+        return self._mlp_residual(x, h), cache
+
+    def gdn_verify(self, x, cache: GDNCache):
+        """GDN layer over speculative tokens: the cache is read, the update inputs are kept pending."""
+        h, cache = self.linear_attn.verify(self.input_layernorm(x), cache)
+        return self._mlp_residual(x, h), cache
+
+
+class TextModel(nnx.Module):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, kernels=kernels, rngs=rngs)
+                                for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+
+
+class MTP(nnx.Module):
+    """Qwen3.5's multi-token-prediction head (``mtp.*``): fc([norm(embed), norm(hidden)]) -> one layer."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.fc = Linear(2 * D, D, dtype=dtype, rngs=rngs)
+        self.pre_fc_norm_embedding = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.pre_fc_norm_hidden = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype=dtype, kernels=kernels, rngs=rngs)
+                                for _ in range(cfg.mtp_num_hidden_layers)])
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    """The whole target; ``kernels`` is the kernel mode of every layer (None: ``kernels.default_mode()``)."""
+
+    def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, kernels: str | None = None,
+                 rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.kernels = kernels = kernel_modes.resolve(kernels)
+        self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """LM head on final-normed hidden states [..., D] -> [..., V] (``lm_logits``, as the proposers' view)."""
+        head = None if self.lm_head is None else self.lm_head.weight[...]
+        return lm_logits(h, self.model.embed_tokens.weight[...], head)
+
+
+def lm_logits(h: jax.Array, embedding: jax.Array, lm_head: jax.Array | None) -> jax.Array:
+    """The target's LM head, for the target (``Qwen35ForCausalLM.logits``) and its proposers (``TargetView``)
+    alike: final-normed hidden states h [..., D] -> logits [..., V] against ``lm_head`` [V, D], or against
+    the embedding [V, D] when the head is tied (None). The head is a dense matrix (quant keeps it so)."""
+    head = embedding if lm_head is None else lm_head
+    if head.ndim != 2 or head.shape[1] != h.shape[-1]:
+        raise ValueError(f"the LM head must be a dense [V, {h.shape[-1]}] matrix for hidden states {h.shape}, got "
+                         f"{head.shape} (an MXFP4-packed head is not supported: quantization_config.exclude "
+                         "must cover lm_head)")
+    return jnp.einsum("...d,vd->...v", h, head)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    logits: jax.Array  # prefill: [B, V] at each row's last real token; verify: [B, T, V]
+    taps: jax.Array  # [B, T, len(taps) * D]: the requested layer outputs, concatenated
+    hidden: jax.Array  # [B, T, D] final-normed hidden states
+
+
+def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
+    """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None)."""
+    x = model.model.embed_tokens(tokens)
+    start = cache.lengths
+    rot = rope.rows(cache.rope, start, tokens.shape[1])  # once for every attention layer, as transformers does
+    new_layers, tapped = [], {}
+    for i, (layer, c) in enumerate(zip(model.model.layers, cache.layers, strict=True)):
+        with jax.named_scope(f"layer{i}"):
+            if isinstance(c, AttentionCache):
+                x, c = layer.attend(x, c, start, rot)
+            elif lengths is not None:
+                x, c = layer.gdn_prefill(x, lengths)
+            else:
+                x, c = layer.gdn_verify(x, c)
+        new_layers.append(c)
+        if i in taps:
+            tapped[i] = x
+    hidden = model.model.norm(x)
+    tap_out = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros(
+        x.shape[:2] + (0,), x.dtype)
+    return hidden, tap_out, new_layers
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capacity", "taps"))
+def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int, ...] = ()):
+    """Processes a right-padded prompt batch into a fresh cache.
+
+    Args:
+      graphdef, params: ``nnx.split`` of a ``Qwen35ForCausalLM``.
+      tokens: [B, P] int32, row b real up to lengths[b]; lengths: [B] int32 in 1..P.
+      capacity: cache length S (static), >= P.
+      taps: layer ids whose outputs are returned (static).
+    Returns:
+      (TargetOutput with logits [B, V] at each row's last real token, TargetCache with lengths).
+    """
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    if tokens.shape[1] > capacity:
+        raise ValueError(f"prefill: prompt bucket {tokens.shape[1]} exceeds cache capacity {capacity}")
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = init_cache(cfg, tokens.shape[0], capacity, dtype)
+    lengths = lengths.astype(jnp.int32)
+    hidden, tap_out, layers = _run(model, tokens, cache, lengths, taps)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
+    out = TargetOutput(logits=model.logits(last), taps=tap_out, hidden=hidden)
+    return out, dataclasses.replace(cache, lengths=lengths, layers=tuple(layers))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
+def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+    """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
+
+    Args:
+      tokens: [B, T] int32; cache: a committed TargetCache (callers keep lengths + T <= capacity).
+        It is donated (its K/V rows are updated in place, not copied): do not use it afterwards;
+        pass ``jax.tree.map(jnp.copy, cache)`` to keep it.
+    Returns:
+      (TargetOutput with logits [B, T, V], the cache with K/V rows written and GDN inputs pending);
+      pass it to ``commit(cache, n)``.
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, tap_out, layers = _run(model, tokens, cache, None, taps)
+    out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
+    return out, dataclasses.replace(cache, layers=tuple(layers))
+
+
+def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
+    """Keeps exactly the first n[b] tokens of the last verify in each row.
+
+    Args:
+      cache: the cache returned by ``verify`` (its GDN layers carry ``pending``). Donated like
+        ``verify``'s: the K/V, conv windows and states are reused in place.
+      n: [B] int32 in 0..T.
+    Returns:
+      The cache as if only those tokens had been processed, with nothing pending.
+    """
+    # Only what the result reuses is donated; the pending inputs are read by the replay, then dropped.
+    return _commit(*split_pending(cache), jnp.asarray(n, jnp.int32))
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _commit(cache: TargetCache, pending: tuple, n: jax.Array) -> TargetCache:
+    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c
+                   for c in with_pending(cache, pending).layers)
+    return dataclasses.replace(cache, lengths=cache.lengths + n, layers=layers)
+
+
+def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
+    """Full-sequence forward without a cache (training, scoring): logits [B, T, V] at every position.
+
+    Differentiable; uses the same layers as prefill (chunked GDN) on unpadded rows.
+    """
+    model = nnx.merge(graphdef, params)
+    B, T = tokens.shape
+    cache = init_cache(model.cfg, B, T, model.model.embed_tokens.weight.dtype)
+    hidden, tap_out, _ = _run(model, tokens, cache, jnp.full((B,), T, jnp.int32), taps)
+    return TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target(SplitModel):
+    """A loaded target: config, the static graph and its parameters (a pytree); ``module()`` is the
+    ``Qwen35ForCausalLM``, ``kernels`` / ``with_kernels`` the kernel mode of its layers."""
+
+    cfg: TargetConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+
+    @property
+    def dtype(self):
+        return self.params["model"]["embed_tokens"]["weight"].get_value().dtype
+
+    def prefill(self, tokens, lengths, *, capacity: int, taps: tuple[int, ...] = ()):
+        return prefill(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32),
+                       jnp.asarray(lengths, jnp.int32), capacity=capacity, taps=tuple(taps))
+
+    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+        return verify(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), cache, taps=tuple(taps))
+
+    @staticmethod
+    def commit(cache: TargetCache, n) -> TargetCache:
+        return commit(cache, n)
+
+
+def _abstract_model(cfg: TargetConfig, dtype, mtp: bool, kernels: str | None):
+    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=nnx.Rngs(0)))
+
+
+def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed: int = 0,
+                kernels: str | None = None) -> Target:
+    """A target with freshly initialised weights (tests, pretraining); ``kernels`` as in ``load_target``."""
+    graphdef, params = nnx.split(Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels,
+                                                   rngs=nnx.Rngs(seed)))
+    return Target(cfg, graphdef, params)
+
+
+CONVERTED = "params.orbax"  # a converted checkpoint: config.json + this orbax directory
+GDN_LAYOUT = "head-grouped"  # the converted copy's GDN channel order (``layers.gdn_channel_order``)
+
+
+def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None, kernels: str | None = None,
+                progress: bool = True, mesh: jax.sharding.Mesh | None = None,
+                quantized: bool | None = None) -> Target:
+    """Loads a Qwen3.5 HF checkpoint directory (either layout, dense or MoE) without torch.
+
+    Args:
+      path: directory with config.json and model.safetensors (or sharded + index.json), or a
+        converted copy written by ``save_converted`` (restored as saved; ``dtype``/``mtp`` ignored).
+      dtype: parameter dtype (the GDN decay parameters stay f32).
+      mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
+      kernels: kernel mode ("reference", "pallas", "interpret"); None: ``kernels.default_mode()``
+        (``DFLASH_KERNELS``, else pallas on a GPU). ``Target.with_kernels`` changes it later.
+      mesh: place each tensor straight onto its shards of this mesh (``parallel.PARAMS``); None: one device.
+      quantized: MXFP4 projections (True; a dense checkpoint is quantized as ``QuantConfig()``
+        says) or dense ones (False; an MXFP4 checkpoint is dequantized to ``dtype``); None: as stored.
+        An MXFP4 checkpoint is AMD Quark's layout (``quantization_config``, see quant.py).
+    """
+    path = Path(path)
+    converted = (path / CONVERTED).is_dir()
+    if converted:
+        checkpoint.verify(path, "conversion")  # before anything in it is read
+    cfg, qcfg = read_target_config(path)  # qcfg None: a dense checkpoint
+    if converted:
+        meta = checkpoint.read_meta(path / CONVERTED)
+        checkpoint.check_meta(path, meta, {"gdn_channels": GDN_LAYOUT},
+                              "a converted copy without it holds the Gated DeltaNet channels in the checkpoint's "
+                              "q | k | v order: convert it again from the HF checkpoint")
+        model = _abstract_model(cfg, jnp.dtype(meta["dtype"]), meta["mtp"], kernels)
+        quant.restore_layout(model, meta.get("mxfp4"))
+        graphdef, abstract = nnx.split(model)
+        if mesh is not None:
+            abstract = parallel.abstract_on(abstract, mesh, cfg)
+        target = Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
+        return target if quantized is None else quant.convert(target, quantized)
+    has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
+    use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
+    model = _abstract_model(cfg, dtype, use_mtp, kernels)
+    if qcfg is not None:
+        quant.quantize_modules(model, qcfg)  # the stored layout: packed weights + scales where quantized
+    graphdef, abstract = nnx.split(model)
+    flat = nnx.to_flat_state(abstract)
+    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    ignore = [r"model\.visual\.", r"model\.language_model\.visual\.", r"visual\."]
+    if not use_mtp:
+        ignore.append(r"mtp\.")
+    if cfg.tie_word_embeddings:
+        ignore.append(re.escape("lm_head.weight"))
+    put = checkpoint.to_device if mesh is None else parallel.loader(mesh, cfg)
+
+    def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
+        return put(key, gdn_channels(cfg, key, host))
+
+    arrays = checkpoint.load_state(path, expected, ignore=ignore, place=place, progress=progress)
+    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
+    target = Target(cfg, graphdef, params)
+    return target if quantized is None else quant.convert(target, quantized)
+
+
+def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
+    """Writes a fast converted copy of a loaded target: its config.json (and tokenizer files) from
+    ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``.
+    The orbax tree holds the parameters as the model does: GDN channels head-grouped (``GatedDeltaNet``).
+
+    The copy replaces ``path`` atomically (``atomic.directory_writer``: an interrupted write keeps the
+    previous copy, a concurrent second writer fails, a ``path`` that is or holds ``source`` is refused) and
+    carries a manifest of its files' checksums, verified on load."""
+    source = Path(source)
+
+    def converted(p: Path) -> bool:  # an earlier copy (finished or not) may be replaced, a user's folder not
+        return (p / CONVERTED).is_dir() or (p / atomic.MANIFEST).is_file()
+
+    with atomic.directory_writer(path, replaces=converted, what="converted copy", source=source) as tmp:
+        for f in source.iterdir():
+            if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
+                shutil.copy(f, tmp / f.name)
+        checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
+        meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,
+                "mxfp4": quant.layout(target.module()), "gdn_channels": GDN_LAYOUT}
+        checkpoint.write_meta(tmp / CONVERTED, meta)
+        atomic.write_manifest(tmp)

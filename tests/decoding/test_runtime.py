@@ -1,0 +1,144 @@
+"""``decoding/runtime.py``: tokenizer checks, prompt encoding against transformers' own chat rendering, methods."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax.decoding import runtime
+
+# The essence of Qwen3/Qwen3.5's template: ChatML turns, the assistant header, the empty think block
+# when thinking is off.
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer with ChatML special tokens and a Qwen-style chat template, saved as HF does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["def fibonacci(n):\n    return n", "import os\nprint(os.getcwd())", "user assistant system"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 chat_template=QWEN_TEMPLATE)
+    path = tmp_path_factory.mktemp("chat_tok")
+    hf.save_pretrained(path)
+    return path
+
+
+def test_chat_prompt_is_token_ids_as_transformers_renders_them(chat_tokenizer_dir):
+    tok = runtime.load_tokenizer(chat_tokenizer_dir)
+    ids = runtime.encode(tok, "def fibonacci(n):")
+    assert all(isinstance(i, int) for i in ids)
+    # The oracle: transformers' own tokenizing render (a mapping in 5.x, a list in 4.x).
+    ref = tok.apply_chat_template([{"role": "user", "content": "def fibonacci(n):"}], add_generation_prompt=True,
+                                  tokenize=True, enable_thinking=False)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert ids == list(ref)
+    im_start, im_end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids[0] == im_start and ids.count(im_end) == 1
+    assert tok.decode(ids) == ("<|im_start|>user\ndef fibonacci(n):<|im_end|>\n<|im_start|>assistant\n"
+                               "<think>\n\n</think>\n\n")
+    thinking = runtime.encode(tok, "def fibonacci(n):", thinking=True)
+    assert tok.decode(thinking).endswith("<|im_start|>assistant\n")
+    assert runtime.encoding_name(tok, "auto", False) == "chat template (thinking off)"
+
+
+def test_raw_and_forced_encodings(chat_tokenizer_dir, tmp_path):
+    tok = runtime.load_tokenizer(chat_tokenizer_dir)
+    assert runtime.encode(tok, "import os", chat="off") == tok.encode("import os", add_special_tokens=False)
+    assert runtime.encoding_name(tok, "off", False) == "raw text"
+    plain = runtime.load_tokenizer(runtime.ASSETS / "target") if (runtime.ASSETS / "target").is_dir() else None
+    if plain is not None and not plain.chat_template:
+        with pytest.raises(ValueError, match="--chat-template on: the tokenizer has no chat template"):
+            runtime.encode(plain, "x", chat="on")
+
+
+def test_a_folder_without_tokenizer_files_is_an_error_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=rf"--tokenizer {tmp_path}: no tokenizer files"):
+        runtime.load_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match=r"--model .*nowhere: not a directory"):
+        runtime.load_tokenizer(tmp_path / "nowhere", flag="--model")
+
+
+@pytest.mark.parametrize("text, method", [("ar", runtime.AR), ("mtp:7", runtime.Method("mtp", 8)),
+                                          (" dflash:16", runtime.Method("dflash", 16))])
+def test_parse_method(text, method):
+    got = runtime.parse_method(text)
+    assert got == method and got.name == text.strip()
+
+
+@pytest.mark.parametrize("text, match", [("eagle:3", "cannot parse 'eagle:3'"), ("mtp:16", "1..15"),
+                                         ("mtp:0", "1..15"), ("dflash:1", ">= 2"), ("dflash:x", "cannot parse")])
+def test_parse_method_errors_name_the_flag(text, match):
+    with pytest.raises(ValueError, match=match) as e:
+        runtime.parse_method(text, flag="--method")
+    assert str(e.value).startswith("--method")
+
+
+def test_default_model_dirs():
+    assert runtime.model_dirs(None, None) == (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
+    assert runtime.model_dirs("m", None) == (runtime.Path("m"), None)
+    assert runtime.model_dirs("m", "d") == (runtime.Path("m"), runtime.Path("d"))
+
+
+def test_default_dtype_is_float32_on_cpu():
+    assert runtime.default_dtype() == ("float32" if runtime.jax.default_backend() == "cpu" else "bfloat16")
+
+
+shipped = pytest.mark.skipif(not (runtime.ASSETS / "target" / "config.json").is_file(), reason="no shipped models")
+
+
+@shipped
+def test_the_mtp_head_is_loaded_only_when_mtp_is_used():
+    import jax.numpy as jnp
+
+    target_dir, draft_dir = runtime.model_dirs(None, None)
+    target, drafter = runtime.load_models(target_dir, draft_dir, [runtime.AR], dtype=jnp.float32, progress=False)
+    assert drafter is None and not runtime.has_mtp(target)
+    target, drafter = runtime.load_models(target_dir, draft_dir, [runtime.parse_method("mtp:3")],
+                                          dtype=jnp.float32, progress=False)
+    assert drafter is None and runtime.has_mtp(target)
+    with pytest.raises(ValueError, match="dflash:32: larger than the drafter's block size"):
+        runtime.load_models(target_dir, draft_dir, [runtime.Method("dflash", 32)], dtype=jnp.float32,
+                            progress=False)
+    with pytest.raises(ValueError, match="give --draft-model"):
+        runtime.load_models(target_dir, None, [runtime.Method("dflash", 4)], dtype=jnp.float32, progress=False)
+
+
+@shipped
+@pytest.mark.slow  # ~40 s of CPU (three compiled loops)
+def test_greedy_speculative_decoding_is_lossless_in_bfloat16():
+    """bfloat16 (the accelerator default): DFlash at blocks 4 and 16 emits plain decoding's greedy tokens.
+
+    A 16-token verify and a 1-token decode reduce in different orders, so bf16 rounding flips an
+    argmax where the top two bf16 logits tie: on the shipped pair, HumanEval/0..15 x 128 tokens, 4 of 16
+    rows diverge, each at an exact (or one-ulp) bf16 tie (BUILD.md, MXFP4 section). These 4 prompts x 48
+    tokens meet no tie, so any other difference fails here.
+    """
+    import jax.numpy as jnp
+
+    from dflash_jax.decoding.api import generate
+
+    target_dir, draft_dir = runtime.model_dirs(None, None)
+    target, drafter = runtime.load_models(target_dir, draft_dir, [runtime.Method("dflash", 16)],
+                                          dtype=jnp.bfloat16, progress=False)
+    assert target.dtype == jnp.bfloat16 and drafter.params["fc"]["weight"].get_value().dtype == jnp.bfloat16
+    tokenizer = runtime.load_tokenizer(target_dir)
+    prompts = [tokenizer.encode(t) for t in ("def fib(n):", "import os\n\ndef list_files(path):\n    ",
+                                             "class Stack:\n    def __init__(self):", "for i in range(10):")]
+    plain = generate(target, prompts, max_new_tokens=48, stop_ids=()).token_lists()
+    for block in (4, 16):
+        out = generate(target, prompts, drafter=drafter, block_size=block, max_new_tokens=48, stop_ids=())
+        assert out.token_lists() == plain, f"block {block}"
+        assert float(out.tau.mean()) > 1.5  # drafts were accepted: the acceptance path ran, not only rejections
