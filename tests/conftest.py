@@ -7,10 +7,19 @@ is missing the torch-free tests still run and the oracle fixtures skip themselve
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
 import pytest
+
+# libtpu (in the test extra, for compile-only TPU devices) makes JAX probe for a TPU whenever it picks the
+# platforms itself: seconds per process and a screen of errors on a machine without one. The tests name them:
+# any installed GPU plugin first (the default backend), then the CPU. Compile-only TPU topologies still work.
+if "JAX_PLATFORMS" not in os.environ:
+    _gpus = [name for name, plugin in (("cuda", "jax_cuda12_plugin"), ("rocm", "jax_rocm7_plugin"))
+             if importlib.util.find_spec(plugin)]
+    os.environ["JAX_PLATFORMS"] = ",".join([*_gpus, "cpu"])
 
 # torch (the transformers oracle's backend), when installed, is loaded before JAX compiles anything.
 try:

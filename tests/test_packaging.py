@@ -13,7 +13,8 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-DOCS = ["README.md", "BUILD.md", "kernels/README.md", "notebooks/README.md", "dflash_jax/assets/MODEL_CARD.md"]
+DOCS = ["README.md", "BUILD.md", "docs/kernels.md", "docs/performance.md", "notebooks/README.md",
+        "dflash_jax/assets/MODEL_CARD.md"]
 
 
 def test_license_file_is_the_license_pyproject_names():
@@ -72,11 +73,11 @@ def _without_torch(code: str) -> subprocess.CompletedProcess:
 
 
 def test_no_pytorch_banner_at_run_time():
-    loaded = _without_torch("from dflash_jax import runtime\n"
+    loaded = _without_torch("from dflash_jax.decoding import runtime\n"
                             "tok = runtime.load_tokenizer(runtime.ASSETS / 'target')\n"
                             "print(tok('def f():')['input_ids'])")
     assert loaded.returncode == 0, loaded.stderr
     assert "PyTorch was not found" not in loaded.stdout + loaded.stderr
     help_ = _without_torch("import sys; sys.argv = ['dflash-jax', '--help']\n"
-                           "from dflash_jax.cli.generate import main; main()")
+                           "from dflash_jax.cli import main; main()")
     assert "usage" in help_.stdout and "PyTorch" not in help_.stdout + help_.stderr

@@ -1,8 +1,8 @@
-"""README's "From Python" example runs as written, on the shipped small models.
+"""README's "From Python" example runs exactly as written, on the shipped small models.
 
-The code block is read from README.md and run with only what the shipped models force: their paths for
-the 27B ones, token ids inside their vocabulary, f32 and shorter outputs (CPU time). Each replacement
-must match exactly once, so an edit of the example that these no longer fit fails here, not silently.
+The code block is read from README.md and executed unchanged: tokenizer in, text out. The checks are on
+what it leaves behind: the first completion equals plain decoding's, and the jitted ``make_generate``
+run agrees with ``generate`` on the same prompts.
 """
 
 from __future__ import annotations
@@ -25,28 +25,21 @@ def _example() -> str:
     return match.group(1)
 
 
-@pytest.mark.slow  # five compiled loops (~1 min of CPU)
+def test_readme_is_short_and_starts_with_what_it_is():
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    assert "speculative decoding" in " ".join(lines[:4])
+
+
+@pytest.mark.slow  # four compiled loops (~1 min of CPU)
 @pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="shipped assets absent")
-def test_from_python_example_runs(capsys):
-    code = _example()
-    replacements = {
-        '"Qwen3.5-27B/"': repr(str(ASSETS / "target")),
-        '"Qwen3.5-27B-DFlash/"': repr(str(ASSETS / "drafter")),
-        "[[151644, 872, 198], [151644, 77091]]": "[[5, 87, 198], [17, 77]]",
-        "jnp.bfloat16": "jnp.float32",
-        "max_new_tokens=256": "max_new_tokens=24",
-        "max_new_tokens=64": "max_new_tokens=8",
-        "SpecConfig(block_size=8)": "SpecConfig(block_size=8, max_new_tokens=8)",
-    }
-    for old, new in replacements.items():
-        assert code.count(old) == 1, f"README example changed: {old!r} occurs {code.count(old)} times"
-        code = code.replace(old, new)
+def test_from_python_example_runs_as_written(capsys):
     scope: dict = {}
-    exec(compile(code, "README.md:From Python", "exec"), scope)
-    out, target = scope["out"], scope["target"]
-    assert out.tokens.shape[0] == 2 and len(out.token_lists()) == 2
-    assert len(capsys.readouterr().out.splitlines()) >= 1  # the stream printed its steps
-    # The last call (make_generate under jax.jit, greedy) equals plain decoding of the same prompts.
-    plain = scope["generate"](target, scope["prompts"], max_new_tokens=8, stop_ids=())
-    got = [row[:8] for row in out.token_lists()]
-    assert all(g == p[:len(g)] for g, p in zip(got, plain.token_lists(), strict=True))
+    exec(compile(_example(), "README.md:From Python", "exec"), scope)
+    printed = capsys.readouterr().out
+    generate, target, prompts, tokenizer = (scope[k] for k in ("generate", "target", "prompts", "tokenizer"))
+    plain = generate(target, prompts, max_new_tokens=48)
+    assert tokenizer.decode(plain.token_lists()[0]) in printed  # the greedy completion it printed
+    jitted = [row[:16] for row in scope["out"].token_lists()]
+    short = generate(target, prompts, max_new_tokens=16, stop_ids=()).token_lists()
+    assert all(j == s[:len(j)] for j, s in zip(jitted, short, strict=True))

@@ -169,7 +169,7 @@ def test_a_read_only_dir_is_not_writable(read_only_dir):
 
 def test_orbax_save_into_a_read_only_directory_fails_fast(read_only_dir):
     """Orbax itself raises there and then hangs the process at exit; save_params must refuse first."""
-    code = ("import sys, jax.numpy as jnp; from dflash_jax import checkpoint\n"
+    code = ("import sys, jax.numpy as jnp; from dflash_jax.io import checkpoint\n"
             "checkpoint.save_params(sys.argv[1], {'w': jnp.ones(3)})")
     p = subprocess.run([sys.executable, "-c", code, str(read_only_dir / "step_1")], capture_output=True,
                        text=True, timeout=120)
