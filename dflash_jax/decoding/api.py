@@ -34,8 +34,9 @@ def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
 
 def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
     """(params, prompts [B, P], prompt_lens [B]) as ``loop.run`` / ``loop.init`` take them: concrete prompts
-    checked (shapes, every length in 1..P, the token ids before each length in the target's vocabulary)
-    and, with the loop's mesh, params and rows placed on it; traced ones (the caller's jit) as given,
+    checked (shapes, every length in 1..P, the token ids before each length in the target's vocabulary,
+    the loop state against the memory of its device) and, with the loop's mesh, params and rows placed on
+    it; traced ones (the caller's jit) as given,
     their shapes checked at trace time and their values not at all."""
     if any(isinstance(x, jax.core.Tracer) for x in (prompts, prompt_lens)):
         return params, prompts, prompt_lens
@@ -47,14 +48,15 @@ def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
         raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
     for b in range(prompts.shape[0]):
         _check_token_ids(prompts[b, :lens[b]], b, loop.cfg.vocab_size)
-    if loop.mesh is None:
-        return params, prompts, lens
-    params = parallel.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
-    return (params, *parallel.shard_rows(loop.mesh, prompts, lens))
+    if loop.mesh is not None:
+        params = parallel.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
+        prompts, lens = parallel.shard_rows(loop.mesh, prompts, lens)
+    loop.check_memory(params, prompts, lens)  # before the state is allocated, against its device
+    return params, prompts, lens
 
 
 def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecConfig = SpecConfig(), *,
-                  mesh: jax.parallel.Mesh | None = None):
+                  mesh: jax.sharding.Mesh | None = None):
     """A pure generate function for one (target, proposer, spec) configuration.
 
     Args:
@@ -129,7 +131,7 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-             rng=0, mesh: jax.parallel.Mesh | None = None) -> GenerateOutput:
+             rng=0, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
     """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
 
     Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
@@ -144,7 +146,7 @@ def generate(target: Target, prompts, *, drafter=None, block_size: int | None = 
 
 def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-           rng=0, mesh: jax.parallel.Mesh | None = None) -> Iterator[list[list[int]]]:
+           rng=0, mesh: jax.sharding.Mesh | None = None) -> Iterator[list[list[int]]]:
     """Like ``generate`` but yields, after prefill and after every target step, the new tokens per row.
 
     The host drives the same jitted step the on-device loop runs, so the tokens are identical.

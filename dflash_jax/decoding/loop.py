@@ -163,17 +163,18 @@ def _write(out, n_out, tokens):
     return jax.vmap(lambda o, s, t: jax.lax.dynamic_update_slice_in_dim(o, t, s, axis=0))(out, n_out, tokens)
 
 
-@functools.cache
-def _memory_bytes() -> tuple[int | None, str]:
-    """(bytes of memory the default device can hold, its name): the accelerator's limit, else host RAM."""
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() or {}
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), str(device)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"{device} (host memory)"
-    except (ValueError, OSError, AttributeError):
-        return None, str(device)
+def _memory_bytes(device) -> int | None:
+    """Bytes of memory ``device`` can hold: an accelerator's limit, a CPU device's host RAM; None where the
+    device reports none (a compile-only device, which never allocates)."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if device.platform == "cpu":
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return None
 
 
 def _phase(**jit_options):
@@ -251,8 +252,8 @@ class SpeculativeLoop:
         if capacity < need:
             raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "
                              f"max_new_tokens {max_new} + block_size {block} = {need}")
-        # Checked again by init once the proposer's state exists; here before prefill is traced at this size.
-        self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
+        if capacity >= 2**31 - 1:  # positions are int32: refused for any device, before prefill is traced
+            self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
         limit = getattr(self.cfg, "max_position_embeddings", None)
         if limit and bucket + max_new > limit:
             warnings.warn(f"prompt bucket {bucket} + max_new_tokens {max_new} = {bucket + max_new} exceeds the "
@@ -260,21 +261,36 @@ class SpeculativeLoop:
                           stacklevel=2)
         return capacity
 
-    def _check_held(self, batch: int, capacity: int, caches) -> None:
+    def _check_held(self, batch: int, capacity: int, caches, device=None) -> None:
         """A clear error when ``caches`` (a pytree of arrays or shapes: the target's cache, the proposer's
-        state) and the output of ``batch`` rows exceed one device's memory; a mesh's data axis splits
-        the rows (when it divides them)."""
+        state) and the output of ``batch`` rows exceed the memory of ``device`` (the one the state is
+        allocated on; None: only the int32 position limit is checked); a mesh's data axis splits the rows
+        (when it divides them)."""
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
         nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(caches)) + batch * (max_new + block) * 4
         data = 1 if self.mesh is None else dict(self.mesh.shape).get("data", 1)
         rows = data if batch % data == 0 else 1
-        memory, device = _memory_bytes()
+        memory = None if device is None else _memory_bytes(device)
         if capacity >= 2**31 - 1 or (memory is not None and nbytes / rows > memory):
             held = "" if memory is None else f" ({memory / 2**30:.1f} GiB on {device})"
             split = f", {nbytes / rows / 2**30:.1f} GiB per device over the data axis of {rows}" if rows > 1 else ""
             raise ValueError(f"max_new_tokens {max_new} cannot be held: {batch} rows of {capacity} cache positions "
                              f"need {nbytes / 2**30:.1f} GiB for the caches and the output alone{split}, more "
                              f"than the memory{held}; lower max_new_tokens or the batch")
+
+    def check_memory(self, params, prompts, prompt_lens) -> None:
+        """Before a run allocates its state: a clear error when the loop state of these concrete inputs
+        (params and prompts [B, P] as ``run`` / ``init`` take them) exceeds the memory of the device it is
+        allocated on (the mesh's, else the params' device, else JAX's default). Tracing, ``eval_shape``
+        and lowering for another device (a compile-only TPU, say) allocate nothing and check nothing."""
+        state = jax.eval_shape(lambda: self.init(params, jnp.asarray(prompts), jnp.asarray(prompt_lens), 0))
+        if self.mesh is not None:
+            device = self.mesh.devices.flat[0]
+        else:
+            placed = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+            device = next(iter(placed[0].devices())) if placed else jax.devices()[0]
+        capacity = state.cache.rope.shape[0]  # the position table [S, 2, R/2]
+        self._check_held(state.anchor.shape[0], capacity, (state.cache, state.proposer), device)
 
     def _finite(self, logits, chosen):
         """Logits [..., V] -> [...] True where their peak after the temperature is finite: the rules' choice
@@ -303,7 +319,6 @@ class SpeculativeLoop:
         first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
         state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
                                    prompt_lens=prompt_lens, capacity=capacity)
-        self._check_held(B, capacity, (cache, state))
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
         finite = self._finite(out.logits, first)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,

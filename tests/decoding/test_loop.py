@@ -490,25 +490,46 @@ def test_memory_check_counts_the_proposer_state_and_splits_rows_over_the_data_ax
     capacity = 8 + 64 + 4
     target_only = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
         lambda: gen.init_cache(target.cfg, 4, capacity, jnp.float32)))) + 4 * (64 + 4) * 4
-    monkeypatch.setattr(gen, "_memory_bytes", lambda: (target_only, "a test device"))
+    asked = []
+    monkeypatch.setattr(gen, "_memory_bytes", lambda device: asked.append(device) or target_only)
 
-    def trace(proposer, pparams, s=spec):  # the check runs at trace time: nothing is compiled or run
-        return jax.eval_shape(make_generate(target, proposer, s), (target.params, pparams), tokens, lengths, 0)
+    def check(proposer, pparams, s=spec):  # what a concrete call checks before it allocates (nothing compiled)
+        gen.SpeculativeLoop.of(target, proposer, s).check_memory((target.params, pparams), tokens, lengths)
 
-    trace(NoProposer(), (), dataclasses.replace(spec, block_size=1, capacity=capacity))
+    check(NoProposer(), (), dataclasses.replace(spec, block_size=1, capacity=capacity))
+    assert asked == [next(iter(jax.tree.leaves(target.params)[0].devices()))]  # the device the params are on
     with pytest.raises(ValueError, match=r"max_new_tokens 64 cannot be held: 4 rows of 76 cache positions need "
                                          r".* GiB for the caches and the output alone, more than the memory"):
-        trace(DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params)
+        check(DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params)
+    with pytest.raises(ValueError, match="cannot be held"):  # a concrete call checks before it compiles
+        make_generate(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec)(
+            (target.params, drafter.params), tokens, lengths, 0)
+    # Tracing allocates nothing: eval_shape (and lowering for another device) checks no memory.
+    jax.eval_shape(make_generate(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec),
+                   (target.params, drafter.params), tokens, lengths, 0)
     # On a mesh the rows are split over the data axis (when it divides them): half the bytes per device.
-    monkeypatch.setattr(gen, "_memory_bytes", lambda: (target_only // 2 + 1, "a test device"))
+    monkeypatch.setattr(gen, "_memory_bytes", lambda device: target_only // 2 + 1)
     caches = jax.eval_shape(lambda: gen.init_cache(target.cfg, 4, capacity, jnp.float32))
     mesh = jax.sharding.AbstractMesh((2, 1, 1), ("data", "model", "expert"))
     loop = gen.SpeculativeLoop.of(target, spec=dataclasses.replace(spec, block_size=1))
+    device = jax.devices()[0]
     with pytest.raises(ValueError, match="cannot be held"):
-        loop._check_held(4, capacity, caches)
-    dataclasses.replace(loop, mesh=mesh)._check_held(4, capacity, caches)
+        loop._check_held(4, capacity, caches, device)
+    dataclasses.replace(loop, mesh=mesh)._check_held(4, capacity, caches, device)
     with pytest.raises(ValueError, match="cannot be held"):  # 3 rows do not split over 2: replicated
-        dataclasses.replace(loop, mesh=mesh)._check_held(3, capacity, caches)
+        dataclasses.replace(loop, mesh=mesh)._check_held(3, capacity, caches, device)
+
+
+def test_memory_is_read_from_the_device_not_the_host():
+    """A compile-only device reports no memory (nothing to check), a CPU device the host's RAM."""
+    class CompileOnly:
+        platform = "tpu"
+
+        def memory_stats(self):
+            return None
+
+    assert gen._memory_bytes(CompileOnly()) is None
+    assert gen._memory_bytes(jax.devices("cpu")[0]) > 2**20
 
 
 def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
