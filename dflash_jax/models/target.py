@@ -5,8 +5,9 @@ mirror the HF checkpoint tree, so a parameter's path is its checkpoint key; but 
 channel rows (``in_proj_qkv``, ``conv1d``) are head-grouped (``layers.gdn_channel_order``), not the
 checkpoint's q | k | v: ``load_target`` permutes them as it reads, ``layers.hf_tensors`` back. At
 jit boundaries the model is a pure function of ``(graphdef, params)``: ``prefill`` and ``verify``
-merge them inside the trace. Both return the hidden states of requested layers ("taps": the output
-of layer i, HF's ``hidden_states[i + 1]``), which the DFlash drafter consumes.
+merge them inside the trace. Both return the hidden states of requested layers ("taps": HF's
+``hidden_states[i + 1]``, the output of layer i, except that for the last layer it is the final-normed
+state, as transformers records it and z-lab's drafters read it), which the DFlash drafter consumes.
 
 The invariant of speculation, which ``prefill``, ``verify`` and ``commit`` below keep together:
 ``verify(tokens[B, T], cache)`` processes T tokens per row without deciding what is kept, and
@@ -162,6 +163,8 @@ def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
         if i in taps:
             tapped[i] = x
     hidden = model.model.norm(x)
+    if len(new_layers) - 1 in taps:  # HF's hidden_states[L] is the final-normed state, not the last layer's output
+        tapped[len(new_layers) - 1] = hidden
     tap_out = jnp.concatenate([tapped[i] for i in taps], axis=-1) if taps else jnp.zeros(
         x.shape[:2] + (0,), x.dtype)
     return hidden, tap_out, new_layers

@@ -65,6 +65,27 @@ def test_prefill_mixed_batch_matches_transformers(pair):
         np.testing.assert_allclose(out.taps[b, :n, D:], hs[1][0], atol=ATOL)
 
 
+def test_last_layer_tap_is_the_final_normed_state_as_in_transformers(hf_dense):
+    """z-lab's convention: tap i is transformers' hidden_states[i + 1], which for the last layer is normed."""
+    hf, path = hf_dense
+    tg = load_target(path, dtype=jnp.float32, progress=False)
+    L, D = tg.cfg.num_hidden_layers, tg.cfg.hidden_size
+    tokens = _tokens(tg.cfg.vocab_size, (1, 20), seed=3)
+    hs = hf_hidden_states(hf, tokens)
+    assert len(hs) == L + 1
+    taps = (L - 1, 1)
+    out, _ = tg.prefill(tokens, [20], capacity=32, taps=taps)
+    np.testing.assert_allclose(out.taps[0, :, :D], hs[L][0], atol=ATOL)
+    np.testing.assert_allclose(out.taps[0, :, :D], out.hidden[0], atol=1e-6)  # the normed state itself
+    np.testing.assert_allclose(out.taps[0, :, D:], hs[2][0], atol=ATOL)
+    from dflash_jax.models.target import forward
+    full = forward(tg.graphdef, tg.params, jnp.asarray(tokens), taps=taps)
+    np.testing.assert_allclose(full.taps[0, :, :D], hs[L][0], atol=ATOL)
+    _, cache = tg.prefill(tokens[:, :19], [19], capacity=32)
+    step, _ = tg.verify(tokens[:, 19:], cache, taps=taps)
+    np.testing.assert_allclose(step.taps[0, 0, :D], hs[L][0, 19], atol=ATOL)
+
+
 def test_prefill_one_row_at_a_time_matches_transformers(pair):
     hf, tg = pair
     for n in LENGTHS:
