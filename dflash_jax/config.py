@@ -159,6 +159,23 @@ class Fields:
             raise ConfigError(f"{self._name(key)} must be an integer >= {low}, got {value!r}")
         return value
 
+    def boolean(self, key: str, default: Any = KeyError) -> Any:
+        """A JSON boolean; a missing or null value takes ``default``. A string such as "false" is refused (Python's
+        truthiness would read it as true)."""
+        value = self.get(key)
+        if value is None:
+            if default is KeyError:
+                raise KeyError(self._name(key))
+            return default
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self._name(key)} must be true or false (a JSON boolean), got {value!r}"
+                              + (" (a string)" if isinstance(value, str) else ""))
+        return value
+
+    def optional_integer(self, key: str, *, low: int = 1) -> int | None:
+        """An integer >= low, or None where the key is missing or null."""
+        return self.integer(key, None, low=low) if self.has(key) else self.get(key)
+
     def number(self, key: str, default: float, *, positive: bool = True) -> float:
         value = self.get(key, default)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or (
@@ -170,7 +187,10 @@ class Fields:
     def require(self, key: str, allowed: tuple, default: Any, why: str) -> None:
         """Refuses a value of ``key`` outside ``allowed`` (a missing key is ``default``)."""
         value = self.get(key, default)
-        if value not in allowed:
+        if not any(_same(value, a) for a in allowed):
+            kinds = {_json_kind(a) for a in allowed}
+            if _json_kind(value) not in kinds:
+                raise ConfigError(f"{self._name(key)} must be a JSON {' or '.join(sorted(kinds))}, got {value!r}")
             raise ConfigError(f"{self._name(key)}={value!r} is not supported ({why})")
 
     def warn_unknown(self, source: str, known: frozenset = frozenset()) -> None:
@@ -178,6 +198,32 @@ class Fields:
         if unknown:
             warnings.warn(f"{source}: unknown {self.where.rstrip('.') or 'config'} fields {unknown} are not used",
                           ConfigWarning, stacklevel=3)
+
+
+def _json_kind(value: Any) -> str:
+    """The JSON type of a parsed value: boolean, number, string, array, object or null."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int | float):
+        return "number"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "null")
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """Equal and of the same JSON type (Python's ``0 == False`` and ``1 == True`` are not equal here)."""
+    return _json_kind(value) == _json_kind(allowed) and value == allowed
+
+
+def check_layer_types(value: Any, where: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A ``layer_types`` list: every entry one of ``allowed`` (a list or an object is named, not hashed)."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"{where}layer_types must be a list, got {value!r}")
+    bad = [(i, t) for i, t in enumerate(value) if not isinstance(t, str) or t not in allowed]
+    if bad:
+        i, t = bad[0]
+        raise ConfigError(f"{where}layer_types[{i}] = {t!r} is not a layer type; expected one of {allowed}"
+                          + (f" ({len(bad)} bad entries)" if len(bad) > 1 else ""))
+    return tuple(value)
 
 
 def rope_scaling(config: Fields, *, max_position_embeddings: int) -> tuple[Fields, RopeScaling]:
@@ -206,7 +252,7 @@ def rope_scaling(config: Fields, *, max_position_embeddings: int) -> tuple[Field
                           original_max_position_embeddings=original, **optional,
                           beta_fast=f.number("beta_fast", 32.0) if f.get("beta_fast") else 32.0,  # `or 32`, as HF
                           beta_slow=f.number("beta_slow", 1.0) if f.get("beta_slow") else 1.0,
-                          truncate=bool(f.get("truncate", True)))
+                          truncate=f.boolean("truncate", True))
     elif kind == "llama3":
         out = RopeScaling("llama3", factor=f.number("factor", None),
                           original_max_position_embeddings=f.integer("original_max_position_embeddings",
@@ -248,6 +294,13 @@ class GenerationConfig:
     NEUTRAL = {"do_sample": False, "repetition_penalty": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
                "frequency_penalty": 0.0, "num_beams": 1, "no_repeat_ngram_size": 0, "typical_p": 1.0}
     SAMPLING = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p"})
+    # The JSON type of every HF generation field this module compares or reads.
+    TYPES = {"do_sample": "boolean", "temperature": "number", "top_k": "number", "top_p": "number",
+             "min_p": "number", "typical_p": "number", "repetition_penalty": "number", "presence_penalty": "number",
+             "frequency_penalty": "number", "num_beams": "number", "no_repeat_ngram_size": "number",
+             "max_length": "number", "max_new_tokens": "number", "use_cache": "boolean",
+             "output_attentions": "boolean", "output_hidden_states": "boolean",
+             "return_dict_in_generate": "boolean"}
 
 
 def read_generation_config(path: str | Path) -> GenerationConfig:
@@ -259,6 +312,12 @@ def read_generation_config(path: str | Path) -> GenerationConfig:
     raw = read_json_object(file, "generation_config.json")
     with parsing(str(file)):
         out = GenerationConfig(eos_token_ids=_eos_ids(raw.get("eos_token_id"), ""))
+        for key, kind in GenerationConfig.TYPES.items():  # a string here would be compared, not read
+            value = raw.get(key)
+            if value is not None and _json_kind(value) != kind:
+                raise ConfigError(f"{key} must be a JSON {kind}, got {value!r}")
+            if kind == "number" and key not in ("temperature",) and value is not None and not math.isfinite(value):
+                raise ConfigError(f"{key} must be finite, got {value!r}")
     sampling = bool(raw.get("do_sample"))
     odd = sorted(k for k, v in raw.items() if k != "eos_token_id" and k not in GenerationConfig.IGNORED
                  and v is not None and v != GenerationConfig.NEUTRAL.get(k, object())
@@ -318,8 +377,9 @@ class TargetConfig:
                  f"{name} must be a finite number > 0, got {value!r}")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
-        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
-        need(not bad, f"unknown layer_types {bad}; expected {LAYER_TYPES}")
+        check_layer_types(self.layer_types, "", LAYER_TYPES)
+        for name in ("tie_word_embeddings",):
+            need(isinstance(getattr(self, name), bool), f"{name} must be a boolean, got {getattr(self, name)!r}")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads={self.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={self.num_key_value_heads}")
@@ -409,8 +469,7 @@ class TargetConfig:
                 "linear_attention" if (i + 1) % f.integer("full_attention_interval", 4) else "full_attention"
                 for i in range(n_layers)
             ]
-            if not isinstance(layer_types, list):
-                raise ConfigError(f"{where}layer_types must be a list, got {layer_types!r}")
+            layer_types = check_layer_types(layer_types, where, LAYER_TYPES)
             max_pos = f.integer("max_position_embeddings", 32768)
             rope, scaling = rope_scaling(f, max_position_embeddings=max_pos)
             eos = _eos_ids(f.get("eos_token_id", top.get("eos_token_id")), where)
@@ -438,7 +497,7 @@ class TargetConfig:
                 moe_intermediate_size=f.integer("moe_intermediate_size", 0, low=0),
                 shared_expert_intermediate_size=f.integer("shared_expert_intermediate_size", 0, low=0),
                 rms_norm_eps=f.number("rms_norm_eps", 1e-6),
-                tie_word_embeddings=bool(top.get("tie_word_embeddings", f.get("tie_word_embeddings", False))),
+                tie_word_embeddings=top.boolean("tie_word_embeddings", f.boolean("tie_word_embeddings", False)),
                 mtp_num_hidden_layers=f.integer("mtp_num_hidden_layers", 0, low=0),
                 eos_token_ids=tuple(dict.fromkeys(eos + generation.eos_token_ids)),
                 max_position_embeddings=max_pos,
@@ -532,8 +591,9 @@ class DrafterConfig:
              f"(num_target_layers={self.num_target_layers})")
         need(len(self.layer_types) == self.num_hidden_layers,
              f"layer_types has {len(self.layer_types)} entries but num_hidden_layers={self.num_hidden_layers}")
-        bad = sorted(set(self.layer_types) - set(DRAFTER_LAYER_TYPES))
-        need(not bad, f"unknown layer_types {bad}; expected {DRAFTER_LAYER_TYPES}")
+        check_layer_types(self.layer_types, "", DRAFTER_LAYER_TYPES)
+        need(self.block_size >= 2, f"block_size={self.block_size}: a DFlash drafter drafts block_size - 1 tokens "
+             "after the anchor, so it needs block_size >= 2 (block size 1 is plain decoding, with no drafter)")
         for i, kind in enumerate(self.layer_types):
             if kind != "sliding_attention":
                 continue
@@ -589,11 +649,12 @@ class DrafterConfig:
                                   "(the drafter rotates the whole head)")
             # transformers' Qwen3Config: use_sliding_window=false drops the window; without layer_types, layers
             # from max_window_layers on slide. (use_sliding_window absent: explicit layer_types decide.)
-            use_window = f.get("use_sliding_window", "layer_types" in raw)
-            window = f.get("sliding_window") if use_window else None
+            use_window = f.boolean("use_sliding_window", "layer_types" in raw)
+            window = f.optional_integer("sliding_window") if use_window else None
             layer_types = f.get("layer_types") or [
                 "sliding_attention" if window is not None and i >= f.integer("max_window_layers", 28, low=0)
                 else "full_attention" for i in range(n_layers)]
+            layer_types = check_layer_types(layer_types, "", DRAFTER_LAYER_TYPES)
             if "sliding_attention" in layer_types and not use_window:
                 raise ConfigError("layer_types has sliding_attention layers but use_sliding_window is false "
                                   "(transformers then drops the window)")
@@ -603,9 +664,9 @@ class DrafterConfig:
             elif not isinstance(ids, list) or not all(type(i) is int for i in ids):
                 raise ConfigError(f"target_layer_ids must be a list of layer indices, got {ids!r}")
             # `is_causal: false` is meaningful (it makes sliding layers bidirectional): test for None.
-            is_causal = f.get("is_causal")
+            is_causal = f.boolean("is_causal", None)
             if is_causal is None:
-                is_causal = d.get("causal")
+                is_causal = d.boolean("causal", None)
             cap = pick("final_logit_softcapping").number("final_logit_softcapping", 0.0, positive=False)
             if cap < 0:
                 raise ConfigError(f"final_logit_softcapping={cap} must be >= 0 (0 or null: off)")
@@ -801,8 +862,10 @@ def _check_mx_spec(spec: dict, path: str, need, *, dynamic: bool):
          f"= {spec.get('group_size')!r} is not supported; expected {BLOCK}")
     need(spec.get("scale_format") == "e8m0", f"{path}.scale_format",
          f"= {spec.get('scale_format')!r} is not supported; expected 'e8m0'")
-    need(spec.get("ch_axis", -1) in (-1, 1), f"{path}.ch_axis",
+    need(any(_same(spec.get("ch_axis", -1), a) for a in (-1, 1)), f"{path}.ch_axis",
          f"= {spec.get('ch_axis')!r} is not supported; blocks must run along the input dimension (-1)")
+    need(spec.get("is_dynamic") is None or isinstance(spec["is_dynamic"], bool), f"{path}.is_dynamic",
+         f"= {spec.get('is_dynamic')!r} must be a JSON boolean")
     need(bool(spec.get("is_dynamic")) == dynamic, f"{path}.is_dynamic",
          f"= {spec.get('is_dynamic')!r} is not supported; expected {dynamic}"
          + (" (static input scales)" if dynamic else ""))

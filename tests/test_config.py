@@ -239,3 +239,67 @@ def test_input_embedding_scale_scales_the_block():
     got, _ = draft_block(d.module(), cache, x)
     want, _ = draft_block(init_drafter(plain, seed=3).module(), cache, x * 3.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------- JSON types (issue 25)
+
+@pytest.mark.parametrize("key, value", [
+    ("tie_word_embeddings", "false"), ("tie_word_embeddings", 0), ("vocab_size", "248320"),
+    ("rms_norm_eps", "1e-6"), ("mtp_num_hidden_layers", "1"), ("attention_bias", "false"),
+    ("attn_output_gate", "true"), ("use_sliding_window", "false"), ("max_position_embeddings", "4096"),
+])
+def test_target_strings_for_json_types_are_refused_naming_field_and_file(tmp_path, key, value):
+    """"false" would count as true by Python's truthiness (and drop lm_head.weight): refused, not read."""
+    raw = _text(**{key: value}) if key != "tie_word_embeddings" else {**REAL, key: value}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'config.json'}: .*{key}.*{value!r}"):
+        TargetConfig.from_pretrained(tmp_path)
+    tied = TargetConfig.from_hf({**REAL, "tie_word_embeddings": True})
+    assert tied.tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(use_sliding_window="false", layer_types=["sliding_attention"] * 2, sliding_window=8), "use_sliding_window"),
+    (dict(is_causal="false"), "is_causal"),
+    (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 2], causal="no")), "dflash_config.causal"),
+    (dict(layer_types=["sliding_attention"] * 2, sliding_window="8", use_sliding_window=True), "sliding_window"),
+    (dict(block_size="4"), "block_size"), (dict(rms_norm_eps="1e-6"), "rms_norm_eps"),
+    (dict(dflash_config=dict(mask_token_id="95", target_layer_ids=[0, 2])), "mask_token_id"),
+    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=2.0, truncate="false")), "truncate"),
+])
+def test_drafter_strings_for_json_types_are_refused(tmp_path, over, field):
+    (tmp_path / "config.json").write_text(json.dumps(DRAFTER | over))
+    with pytest.raises(ConfigError, match=rf"config.json: .*{field}"):
+        DrafterConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [("do_sample", "false"), ("temperature", "0.6"), ("top_k", "20"),
+                                        ("max_new_tokens", "x"), ("repetition_penalty", [1.0])])
+def test_generation_config_strings_are_refused(tmp_path, key, value):
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1, key: value}))
+    with pytest.raises(ConfigError, match=rf"generation_config.json: {key} must be a JSON"):
+        read_generation_config(tmp_path)
+
+
+@pytest.mark.parametrize("layer_types", [[["linear_attention"]] * 4, [{"a": 1}] * 4, [None] * 4, [1, 2, 3, 4]])
+def test_layer_types_entries_that_are_not_strings_are_refused(layer_types):
+    with pytest.raises(ConfigError, match=r"layer_types\[0\] = .* is not a layer type"):
+        TargetConfig.from_hf(_text(layer_types=layer_types))
+    with pytest.raises(ConfigError, match=r"layer_types\[0\] = .* is not a layer type"):
+        DrafterConfig.from_hf(DRAFTER | dict(layer_types=layer_types[:2]))
+
+
+def test_drafter_block_size_one_is_refused_naming_file_and_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DRAFTER | dict(block_size=1)))
+    with pytest.raises(ConfigError, match=r"config.json: block_size=1: .* needs block_size >= 2"):
+        DrafterConfig.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("key, value", [("is_dynamic", "false"), ("group_size", "32"), ("ch_axis", True)])
+def test_quantization_config_strings_are_refused(key, value):
+    from dflash_jax.config import QuantConfig
+
+    qc = QuantConfig().to_hf()
+    qc["global_quant_config"]["weight"][key] = value
+    with pytest.raises(ConfigError, match=rf"x/config.json: quantization_config.global_quant_config.weight.{key}"):
+        QuantConfig.from_hf({"quantization_config": qc}, "x/config.json")
