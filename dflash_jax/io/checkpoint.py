@@ -22,6 +22,7 @@ from pathlib import Path
 import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
 from tqdm.auto import tqdm
 
 from dflash_jax.io import atomic
@@ -144,7 +145,9 @@ def checkpoint_files(path) -> dict[str, Path]:
             raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         root = path.resolve()
         for shard in sorted(set(weight_map.values())):
-            if not (path / shard).resolve().is_relative_to(root):
+            # Lexically first (nothing outside is touched), then with symlinks resolved.
+            if Path(shard).is_absolute() or ".." in Path(shard).parts or not (path / shard).resolve().is_relative_to(
+                    root):
                 raise CheckpointError(f"{index}: shard path {shard!r} points outside the checkpoint directory")
             if not (path / shard).is_file():
                 raise CheckpointError(f"shard {shard} named by {index} is missing")
@@ -186,6 +189,20 @@ def _read(f, entry: _Entry) -> np.ndarray:
 def to_device(key: str, host: np.ndarray) -> jax.Array:
     """``load_state``'s default placement: the whole tensor on the default device."""
     return jax.device_put(host)
+
+
+def load_params(path, model, *, ignore: Sequence[str] = (), place: Callable[[str, np.ndarray], jax.Array] = to_device,
+                progress: bool = True):
+    """``(graphdef, params)`` of an abstract NNX model (built under ``nnx.eval_shape``) filled from the checkpoint
+    at ``path``: every parameter's path, joined by dots, is its checkpoint key, and ``load_state`` checks them
+    all (``ignore``, ``place`` and ``progress`` as there) before any data is read. The one load sequence of
+    every model."""
+    graphdef, abstract = nnx.split(model)
+    flat = nnx.to_flat_state(abstract)
+    keys = [".".join(map(str, path_)) for path_, _ in flat]
+    arrays = load_state(path, {k: v.get_value() for k, (_, v) in zip(keys, flat, strict=True)}, ignore=ignore,
+                        place=place, progress=progress)
+    return graphdef, nnx.from_flat_state([(p, v.replace(arrays[k])) for k, (p, v) in zip(keys, flat, strict=True)])
 
 
 def load_state(
@@ -237,11 +254,17 @@ def load_state(
     for canon, spec in expected.items():
         want = tuple(spec.shape)
         got = plan.get(canon)
-        if got is not None and jax.numpy.issubdtype(spec.dtype, jax.numpy.floating):
-            for ent in [got] if isinstance(got, _Entry) else got.values():
-                if not jax.numpy.issubdtype(ent.dtype, jax.numpy.floating):
-                    problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but "
-                                    f"{canon!r} is a floating-point parameter")
+        floating = jax.numpy.issubdtype(spec.dtype, jax.numpy.floating)
+        for ent in [] if got is None else [got] if isinstance(got, _Entry) else got.values():
+            # A float parameter reads any float storage (cast); anything else (MXFP4 codes and scales: raw
+            # bytes) only its own dtype: a cast would change the values it encodes.
+            if floating and not jax.numpy.issubdtype(ent.dtype, jax.numpy.floating):
+                problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but "
+                                f"{canon!r} is a floating-point parameter")
+            elif not floating and ent.dtype != np.dtype(spec.dtype):
+                problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but {canon!r} "
+                                f"must be {_DTYPE_NAMES.get(np.dtype(spec.dtype), np.dtype(spec.dtype).name)} "
+                                "(its bytes are read as they are, never cast)")
         if got is None:
             problems.append(f"missing tensor {canon!r} with shape {want}")
         elif isinstance(got, _Entry):

@@ -242,15 +242,10 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
     check_fits(cfg, target.cfg)
     dtype = target.dtype if dtype is None else dtype
     kernels = target.kernels if kernels is None else kernels
-    graphdef, abstract = nnx.split(nnx.eval_shape(
-        lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0))))
-    flat = nnx.to_flat_state(abstract)
-    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+    model = nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0)))
     # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.
     ignore = [r"(model\.)?embed_tokens\.", r"lm_head\."]
-    arrays = checkpoint.load_state(path, expected, ignore=ignore, progress=progress)
-    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
-    return Drafter(cfg, graphdef, params)
+    return Drafter(cfg, *checkpoint.load_params(path, model, ignore=ignore, progress=progress))
 
 
 def save_drafter(path: str | Path, drafter: Drafter) -> None:
