@@ -1,8 +1,10 @@
-"""Flag types, the help formatter and the scale-out flags shared by the ``dflash-jax`` subcommands.
+"""Flag types, the help formatter, the scale-out flags and the running of one parsed command, shared by the
+``dflash-jax`` subcommands.
 
 Every subcommand's parser is a ``Parser`` (each option's default on its help line); ``add_mesh_arguments`` and
 ``mesh_from_args`` turn vLLM-style parallel sizes and JAX's process flags into a device mesh
-(``dflash_jax.parallel.make_mesh``).
+(``dflash_jax.parallel.make_mesh``); ``run`` checks a parsed command's outputs and turns a bad input into one
+error line, and ``script`` runs one subcommand as ``python -m dflash_jax.cli.<module>``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from importlib import metadata
 import jax
 from jax.sharding import Mesh
 
+from dflash_jax.config import ConfigError
+from dflash_jax.io import atomic
+from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.parallel import make_mesh
 
 SEED_MAX = 2**31 - 1  # seeds become int32 keys
@@ -128,3 +133,38 @@ def mesh_from_args(args) -> Mesh | None:
                          f"({jax.process_count()} process(es) of {jax.local_device_count()}); the product must "
                          f"equal the device count")
     return make_mesh(data=data, model=model, expert=expert)
+
+
+def check_outputs(args) -> None:
+    """Output folders are proven writable, and checkpoint settings consistent, before any work starts."""
+    for flag in ("out", "ckpt_dir"):
+        path = getattr(args, flag, None)
+        if path is not None:
+            atomic.check_writable(path, "--" + flag.replace("_", "-"))
+    if getattr(args, "ckpt_dir", None) is not None and args.ckpt_every < 1:
+        raise ValueError(f"--ckpt-every {args.ckpt_every} with --ckpt-dir would never save a checkpoint; "
+                         f"give a step interval >= 1")
+    if getattr(args, "repeats", 1) < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if getattr(args, "max_new_tokens", 1) < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+
+def run(args) -> int:
+    """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
+    try:
+        check_outputs(args)
+        return args.func(args) or 0
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:
+        print(f"dflash-jax: error: {e}", file=sys.stderr)
+        return 2
+
+
+def script(add_parser) -> None:
+    """``python -m dflash_jax.cli.<module>``: the module's one subcommand on this process's arguments, run as
+    ``dflash-jax <command>`` runs it (the other subcommands are not loaded); exits with its status."""
+    parser = Parser(prog="dflash-jax")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    (command,) = sub.choices
+    sys.exit(run(parser.parse_args([command, *sys.argv[1:]])))

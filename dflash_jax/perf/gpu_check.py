@@ -1,11 +1,11 @@
-"""The GPU check: one script for the first H200 / MI355X we get (``python -m dflash_jax.perf.gpu_check``).
+"""The GPU check: one command for the first H200 / MI355X we get (``dflash-jax gpu-check --out DIR``).
 
 Where it sits: a developer tool on top of everything (kernels, models, the loop, the bench). It runs,
 in this order, within a time budget (default 9 minutes; a part that would not fit is recorded as
 skipped, not run):
 
-1. ``tests``: the kernel test files under pytest, with ``DFLASH_KERNELS=pallas`` (compiled kernels
-   wherever a test follows the default mode).
+1. ``tests``: the kernel test files (``tests/kernels/``) under pytest in one process, with
+   ``DFLASH_KERNELS=pallas`` (compiled kernels wherever a test follows the default mode).
 2. ``kernels``: every kernel case at Qwen3.5-27B shapes (``report_cases`` of each kernel module, names
    containing ``27b`` or ``drafter``), compiled, checked against its jnp reference on the same data, and
    its achieved HBM bandwidth / the device's peak (goal >= 0.8).
@@ -15,15 +15,14 @@ skipped, not run):
    ``SimulatedProposer``: the real random drafter runs, the oracle's drafts are used; ``regime.fixed_tau``),
    27B shapes, warm interleaved medians, beside the roofline's ceiling for an H200 at peak.
 
-Results go to ``OUT/gpu_check.json`` (one entry per part: values, goal, met). ``--smoke`` runs the same
-code at tiny shapes on any backend (the shipped models' configs, interpreted kernels) so that the
-script is exercised by the test suite (tiny random models; --smoke tests only collects the kernel tests);
-its numbers say nothing about a GPU.
+``run`` writes the results to ``OUT/gpu_check.json`` (one entry per part: values, goal, met) after each
+part. ``smoke`` runs the same code at tiny shapes on any backend (tiny random models, interpreted kernels;
+the tests part only collects the kernel tests) so that the check is exercised by the test suite; its
+numbers say nothing about a GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -51,8 +50,10 @@ SMOKE_TARGET = dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=128, hidden
 SMOKE_DRAFTER = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                      intermediate_size=64, vocab_size=128, block_size=16, num_target_layers=4,
                      dflash_config=dict(mask_token_id=1, target_layer_ids=[1, 2]))
-KERNEL_TESTS = ("test_kernels_attention.py", "test_kernels_gdn.py", "test_kernels_moe.py",
-                "test_kernels_mxfp4.py", "test_kernels_integration.py")
+REPO = Path(__file__).resolve().parents[2]  # the checkout this module runs from (dflash_jax/perf/gpu_check.py)
+KERNEL_TESTS = ("kernels/test_attention.py", "kernels/test_gdn.py", "kernels/test_moe.py", "kernels/test_mxfp4.py",
+                "kernels/test_integration.py")
+PARTS = ("tests", "kernels", "steps", "e2e")
 
 
 class Budget:
@@ -66,14 +67,16 @@ class Budget:
 
 
 def part_tests(repo: Path, smoke: bool, budget: Budget) -> dict:
-    """pytest on the kernel test files; --smoke only collects them (interpreted tests are slow on a CPU)."""
+    """pytest on the kernel test files in one process (one GPU); smoke only collects them (interpreted tests
+    are slow on a CPU)."""
     files = [str(repo / "tests" / f) for f in KERNEL_TESTS if (repo / "tests" / f).exists()]
     if not files:
         return dict(skipped=f"no kernel test files under {repo / 'tests'}")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
     if smoke:
         cmd.append("--collect-only")
-    env = dict(os.environ, DFLASH_KERNELS="pallas" if not smoke else "reference")
+    # This process already holds its GPU; without preallocation the tests' process takes what it needs of the rest.
+    env = dict(os.environ, DFLASH_KERNELS="pallas" if not smoke else "reference", XLA_PYTHON_CLIENT_PREALLOCATE="false")
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True,
@@ -190,27 +193,14 @@ def part_e2e(target, drafter, dtype, *, block: int, tau: int, prompt_len: int, m
                 same_tokens=b["same_tokens"])
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for gpu_check.json")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (tests the script)")
-    parser.add_argument("--parts", default="tests,kernels,steps,e2e")
-    parser.add_argument("--budget-s", type=float, default=540.0, help="total wall-clock budget")
-    args = parser.parse_args(argv)
-    parts = args.parts.split(",")
-    unknown = sorted(set(parts) - {"tests", "kernels", "steps", "e2e"})
-    if unknown:
-        parser.error(f"--parts: unknown {unknown}; expected tests, kernels, steps, e2e")
-    backend = jax.default_backend()
-    if not args.smoke and backend not in ("gpu", "cuda", "rocm"):
-        print(f"gpu_check: needs a GPU (jax's backend is {backend!r}); use --smoke to exercise it here",
-              file=sys.stderr)
-        return 2
-    out_dir = Path(args.out)
+def run(out_dir: str | Path, *, smoke: bool = False, parts=PARTS, budget_s: float = 540.0, repo: Path = REPO) -> dict:
+    """Runs ``parts`` in order within ``budget_s`` seconds; ``OUT/gpu_check.json`` is rewritten after each part,
+    so an interrupted check keeps what it measured. A part that raises is recorded as not met, with its error."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    budget = Budget(args.budget_s)
+    budget = Budget(budget_s)
     device = jax.devices()[0].device_kind
-    result = dict(device=device, backend=backend, smoke=args.smoke, jax=jax.__version__, parts={})
+    result = dict(device=device, backend=jax.default_backend(), smoke=smoke, jax=jax.__version__, parts={})
     peak = peak_bandwidth(device)
     result["peak_bytes_per_s"] = peak
 
@@ -225,27 +215,21 @@ def main(argv=None) -> int:
         atomic.write_text(out_dir / "gpu_check.json", json.dumps(result, indent=1, default=float))
         print(f"gpu_check {name}: {json.dumps(entry, default=float)[:400]}", file=sys.stderr, flush=True)
 
-    repo = Path(__file__).resolve().parents[1]
     if "tests" in parts:
-        record("tests", lambda: part_tests(repo, args.smoke, budget))
+        record("tests", lambda: part_tests(repo, smoke, budget))
     if "kernels" in parts:
-        record("kernels", lambda: part_kernels(args.smoke, budget, peak))
+        record("kernels", lambda: part_kernels(smoke, budget, peak))
     if "steps" in parts or "e2e" in parts:
         models = {}
 
         def build():
-            models["m"] = _models(args.smoke)
+            models["m"] = _models(smoke)
             return models["m"]
 
-        context, prompt, max_new = (64, 16, 24) if args.smoke else (4096, 128, 128)
+        context, prompt, max_new = (64, 16, 24) if smoke else (4096, 128, 128)
         if "steps" in parts:
             record("steps", lambda: part_steps(build()[0], context=context, block=16))
         if "e2e" in parts:
             record("e2e", lambda: part_e2e(*(models.get("m") or build()), block=16, tau=10, prompt_len=prompt,
                                            max_new=max_new))
-    print(json.dumps(result, indent=1, default=float))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return result

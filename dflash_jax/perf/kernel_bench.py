@@ -1,4 +1,4 @@
-"""GPU timing of every shipped kernel case against its jnp reference (``python -m dflash_jax.perf.kernel_bench``).
+"""GPU timing of every shipped kernel case against its jnp reference (``dflash-jax kernel-bench``).
 
 Where it sits: a developer tool beside the kernels, fed by each kernel module's ``report_cases()`` (the same
 cases the compile report checks: real Qwen3.5-27B / 35B-A3B shapes, batch 1 and 32, T = 1 and 16,
@@ -18,20 +18,15 @@ attention cases do with ``q_start`` / ``kv_len``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.io import atomic
 from dflash_jax.kernels.common import KernelCase
-from dflash_jax.perf.kernel_report import KERNEL_MODULES, collect_cases
 
 # HBM peak bytes/s by a substring of jax's device_kind.
 PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12, "MI355X": 8e12, "MI350X": 8e12, "MI300X": 5.3e12}
@@ -125,43 +120,3 @@ def format_table(rows: list[BenchRow], device: str, peak: float | None) -> str:
         (f"  {line[6]}" if line[6] else "")
     head = f"{device}, HBM peak {'unknown' if peak is None else f'{peak / 1e12:.2f} TB/s'}"
     return "\n".join([head, fmt(lines[0])] + [fmt(line) for line in lines[1:]])
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--modules", default=",".join(KERNEL_MODULES),
-                        help="comma-separated kernel modules of dflash_jax.kernels")
-    parser.add_argument("--filter", default="", help="only cases whose name contains this")
-    parser.add_argument("--peak-bw", type=float, help="HBM peak in bytes/s (default: by device name)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--runs", type=int, default=7, help="timed runs; the median is reported")
-    parser.add_argument("--reps", type=int, default=10, help="back-to-back calls per timed run")
-    parser.add_argument("--no-reference", action="store_true", help="time only the kernels")
-    parser.add_argument("--json", metavar="OUT", help="also write the rows as JSON to OUT")
-    args = parser.parse_args(argv)
-
-    backend = jax.default_backend()
-    if backend not in ("gpu", "cuda", "rocm"):
-        print(f"bench: needs a GPU (ROCm or CUDA); jax's default backend is {backend!r}. Run it on an "
-              "MI355X / H200 host; for CPU-side checks use `python -m dflash_jax.perf.kernel_report`.",
-              file=sys.stderr)
-        return 2
-    device = jax.devices()[0].device_kind
-    peak = args.peak_bw or peak_bandwidth(device)
-    cases, notes = collect_cases(tuple(args.modules.split(",")))
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    rows = []
-    for case in (c for c in cases if args.filter in c.name):
-        rows.append(bench_case(case, peak, warmup=args.warmup, runs=args.runs, reps=args.reps,
-                               reference=not args.no_reference))
-        print(format_table(rows[-1:], device, peak).splitlines()[-1], file=sys.stderr, flush=True)
-    print(format_table(rows, device, peak))
-    if args.json:
-        atomic.write_text(args.json, json.dumps(
-            {"device": device, "peak_bw": peak, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Compile report: register, spill, LDS and MFMA figures of every shipped kernel config for an AMD arch.
 
-Where it sits: a developer tool beside the kernels (``python -m dflash_jax.perf.kernel_report --arch gfx950``)
+Where it sits: a developer tool beside the kernels (``dflash-jax kernel-report --arch gfx950``)
 and a library for tests/perf/test_kernel_report.py; nothing in the model imports it. It needs no GPU.
 
 How it works, per ``KernelCase`` from each kernel module's ``report_cases()``:
@@ -22,12 +22,9 @@ in jaxlib, whose version and pass pipeline may differ slightly from the PyPI whe
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
-import json
 import re
-import sys
 import tempfile
 from pathlib import Path
 
@@ -236,26 +233,3 @@ def format_table(report: Report) -> str:
     rule = tuple("-" * w for w in widths[:-1]) + ("",)
     return "\n".join([head, fmt(lines[0]), fmt(rule)] + [fmt(line) for line in lines[1:]]
                      + [f"note: {n}" for n in report.notes])
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arch", default="gfx950", help="AMD target, e.g. gfx950 (MI355X), gfx942 (MI300X)")
-    parser.add_argument("--modules", default=",".join(KERNEL_MODULES),
-                        help="comma-separated kernel modules of dflash_jax.kernels")
-    parser.add_argument("--filter", default="", help="only cases whose name contains this")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--dump-ir", metavar="DIR", help="also write each kernel's TTIR text into DIR")
-    args = parser.parse_args(argv)
-    report = run_report(args.arch, tuple(args.modules.split(",")), name_filter=args.filter,
-                        dump_ir=args.dump_ir)
-    if args.json:
-        print(json.dumps(dataclasses.asdict(report), indent=1))
-    else:
-        print(format_table(report))
-    limit = LDS_LIMIT.get(args.arch)
-    return 1 if any(problems(r, limit) for r in report.rows) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,17 +13,14 @@ Per program two byte counts, from the lowered (pre-optimisation) HLO:
   into its neighbours: matmuls, kernels (custom calls), gathers/scatters and in-place row updates
   (their moved rows only), reductions, sorts, concatenations. The GPU's HBM traffic to first order.
 
-``python -m dflash_jax.perf.perf_model`` prints the table and the tokens/s projections written into the
+``dflash-jax perf-model`` prints the table and the tokens/s projections written into the
 README (``--json OUT`` also writes them); it takes about a minute of CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import re
-import sys
 import time
 
 import jax
@@ -31,7 +28,6 @@ import jax.numpy as jnp
 
 from dflash_jax.decoding.proposers import DFlashProposer, TargetView
 from dflash_jax.decoding.sampling import SamplingConfig
-from dflash_jax.io import atomic
 from dflash_jax.models.cache import init_cache
 from dflash_jax.models.drafter import init_draft_cache
 from dflash_jax.models.target import commit, verify
@@ -255,25 +251,3 @@ def format_report(rep: dict) -> str:
                  for m in ("H200", "MI355X") for f in ("bf16", "mxfp4")]
         lines.append(f"| {r['shape']} | {r['batch']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default="27b,35b-a3b")
-    parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--block", type=int, default=16)
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--tau", type=float, default=10.377, help="tokens per step (default: the report's "
-                        "27B HumanEval tau at block 16)")
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args(argv)
-    rep = report(tuple(args.shapes.split(",")), tuple(int(b) for b in args.batches.split(",")), args.block,
-                 args.context, args.tau)
-    print(format_report(rep))
-    if args.json:
-        atomic.write_text(args.json, json.dumps(rep, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

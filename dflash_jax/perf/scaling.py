@@ -14,16 +14,13 @@ shapes) and ``regime.py`` (decode speed-up at fixed tau). Two measurements:
   XLA compile for this process's backend. ``depth_configs`` keeps a shape's widths and varies its
   number of layers, so the growth of compile time with depth shows.
 
-``python -m dflash_jax.perf.scaling`` prints both tables (``--json OUT`` writes them); the defaults take a few
+``dflash-jax scaling`` prints both tables (``--json OUT`` writes them); the defaults take a few
 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import sys
 import time
 
 import jax
@@ -33,7 +30,6 @@ import numpy as np
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import DFlashProposer
 from dflash_jax.decoding.runtime import ASSETS
-from dflash_jax.io import atomic
 from dflash_jax.kernels.attention import prefill_keys_scored
 from dflash_jax.perf import roofline, synthetic
 
@@ -151,44 +147,3 @@ def format_compile(rows: list[dict]) -> str:
     lines += [f"| {r['layers']} | {r['trace_s']:.1f} | {r['lower_s']:.1f} | {r['compile_s']:.1f} | "
               f"{r['total_s']:.1f} | {r['cpu_s']:.1f} | {r['stablehlo_ops']} |" for r in rows]
     return "\n".join(lines)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s]
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--prefill-model", default="shipped", help="shipped or a regime miniature (37m, 140m)")
-    parser.add_argument("--lengths", type=_ints, default=[128, 256, 512, 1024, 2048, 4096, 8192])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--shape", default="27b", help=f"compile: one of {', '.join(synthetic.REAL_SHAPES)}")
-    parser.add_argument("--layers", type=_ints, default=[4, 8, 16, 32, 64], help="compile: target depths ('' skips)")
-    parser.add_argument("--json", metavar="OUT")
-    args = parser.parse_args(argv)
-    if args.shape not in synthetic.REAL_SHAPES:
-        parser.error(f"--shape {args.shape!r}: expected one of {', '.join(synthetic.REAL_SHAPES)}")
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
-    out = dict(backend=jax.default_backend())
-    if args.lengths:
-        out["prefill"] = dict(model=args.prefill_model, rows=prefill_seconds(prefill_target(args.prefill_model),
-                                                                             args.lengths, repeats=args.repeats))
-        print(f"prefill of one row, {args.prefill_model} target (random f32 weights), {jax.default_backend()}, "
-              f"median of {args.repeats}:")
-        print(format_prefill(out["prefill"]["rows"]), flush=True)
-    if args.layers:
-        rows = []
-        print(f"\nDFlash loop (decode: the while_loop of draft, verify, commit) at {args.shape} widths, abstract "
-              f"bf16 parameters, block 16, compiled for {jax.default_backend()}:")
-        for n in args.layers:
-            rows.append(loop_compile_seconds(*depth_configs(*synthetic.REAL_SHAPES[args.shape], n)))
-            print(format_compile(rows).splitlines()[-1] if len(rows) > 1 else format_compile(rows), flush=True)
-        out["compile"] = dict(shape=args.shape, rows=rows)
-    if args.json:
-        atomic.write_text(args.json, json.dumps(out, indent=1))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

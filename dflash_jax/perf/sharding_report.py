@@ -9,17 +9,14 @@ the GiB of parameters and loop state (caches) each device holds.
 Needs as many devices as the mesh; on CPU simulate them::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-        python -m dflash_jax.perf.sharding_report --config 27b --tp 1,8 --batch 1,32 --block 16
+        dflash-jax sharding-report --config 27b --tp 1,8 --batch 1,32 --block 16
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import math
 import re
-import sys
 import time
 
 import jax
@@ -108,33 +105,3 @@ def _per_device(tree) -> float:
         shape = x.shape if getattr(x, "sharding", None) is None else x.sharding.shard_shape(x.shape)
         return math.prod(shape) * x.dtype.itemsize
     return round(sum(one(x) for x in jax.tree.leaves(tree)) / 2**30, 3)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")]
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.perf.sharding_report", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="27b", choices=tuple(synthetic.REAL_SHAPES))
-    p.add_argument("--tp", type=_ints, default=[1, 8], help="tensor-parallel sizes to compare (1 = one device)")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    p.add_argument("--batch", type=_ints, default=[1])
-    p.add_argument("--block", type=int, default=16, help="DFlash block (1 = plain decoding)")
-    p.add_argument("--prompt", type=int, default=512, help="prompt bucket (the cache holds prompt + max-new)")
-    p.add_argument("--max-new", type=int, default=256)
-    args = p.parse_args(argv)
-    for tp in args.tp:
-        ep = args.ep if tp > 1 else 1
-        if tp * ep > jax.device_count():
-            raise SystemExit(f"TP {tp} x EP {ep} needs {tp * ep} devices, {jax.device_count()} present: set "
-                             f"XLA_FLAGS=--xla_force_host_platform_device_count={tp * ep} (CPU)")
-        for batch in args.batch:
-            row = step_collectives(args.config, model=tp, expert=ep, batch=batch, block=args.block,
-                                   prompt=args.prompt, max_new=args.max_new)
-            print(json.dumps(row), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,20 +9,18 @@ before its first computation. ``trace_decode`` runs one ``SpeculativeLoop.decode
 (its ``op_name``: ``check/verify/layer0``, ``draft``, ``settle``). Tracing adds about a microsecond to
 each op, so the traced step is longer than the untimed one; the shares and op counts are what it is for.
 
-``python -m dflash_jax.perf.step_profile --method dflash:16`` prints, per scope, ops per step and their
+``dflash-jax step-profile --method dflash:16`` prints, per scope, ops per step and their
 matmul and other microseconds per step, the slowest ops, and beside them the untraced step and its
 floor (``roofline.step_floor_timer``).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import functools
 import gzip
 import json
-import os
 import re
 import tempfile
 from pathlib import Path
@@ -30,10 +28,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dflash_jax.decoding import runtime
-from dflash_jax.decoding.api import bucket_for, pad_prompts
-from dflash_jax.decoding.loop import SpecConfig
-from dflash_jax.decoding.workloads import load_turns
 from dflash_jax.perf import bench
 
 TRACE_FLAG = "--xla_cpu_enable_xprof_traceme=true"
@@ -209,41 +203,3 @@ def untraced(loop, params, tokens, lengths, rng, method, target, drafter, contex
     if ratios:
         text += f", {np.median(ratios):.2f}x its matmul floor (context {context})"
     return text
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--method", default="dflash:16", help="ar, dflash:B or mtp:K (default dflash:16)")
-    parser.add_argument("--workload", default="humaneval")
-    parser.add_argument("--prompt-format", default="raw", choices=("raw", "chat"))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--top", type=int, default=15, help="slowest ops to list")
-    parser.add_argument("--json", metavar="OUT", help="write every op's row here")
-    args = parser.parse_args(argv)
-    if TRACE_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TRACE_FLAG}".strip()
-
-    method = runtime.parse_method(args.method, "--method")
-    target_dir, draft_dir = runtime.model_dirs(None, None)
-    target, drafter = runtime.load_models(target_dir, draft_dir, [method], dtype="float32", progress=False)
-    proposer, pparams = runtime.proposer_for(method, target, drafter)
-    spec = SpecConfig(block_size=method.block, max_new_tokens=args.max_new_tokens, stop_ids=())
-    loop, params = bench.method_loop(target, proposer, pparams, spec)
-    tokenizer = runtime.load_tokenizer(target_dir)
-    chat = "always" if args.prompt_format == "chat" else "never"
-    prompt = runtime.encode(tokenizer, load_turns(args.workload, None, 1, args.prompt_format)[0], chat)
-    tokens, lengths = pad_prompts([prompt], bucket_for(len(prompt)))
-    rng = jax.random.key(0)
-
-    p = trace_decode(loop, params, tokens, lengths, rng)
-    print(format_profile(p, args.top))
-    print(untraced(loop, params, tokens, lengths, rng, method, target, drafter, bench.mean_context([prompt],
-                                                                                                  args.max_new_tokens)))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"steps": p.steps, "ops": p.ops}, indent=1))
-        print(f"wrote {args.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Reproduces the models shipped in ``dflash_jax/assets`` from scratch, with fixed seeds.
 
-``python -m dflash_jax.train.ship [--work DIR] [--tiny] [--install]`` runs the stages
+``dflash-jax ship [--work DIR] [--tiny] [--install]`` runs the stages
 tokenizer -> target -> data -> drafter -> mtp -> export -> eval. Each stage leaves its result in the
 work directory and is skipped when that result exists (the training stages also resume from their
 orbax checkpoints), so an interrupted run continues where it stopped. ``export`` assembles the
@@ -11,7 +11,6 @@ shipped layout in ``DIR/export`` (target with tokenizer and MTP head, drafter, s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import fcntl
 import json
@@ -218,24 +217,3 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
 
 
 STAGES = ("tokenizer", "target", "data", "drafter", "mtp", "export", "eval")
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.train.ship", description=__doc__.split("\n")[0])
-    p.add_argument("--work", type=Path, default=Path("ship_work"), help="stage outputs and checkpoints")
-    p.add_argument("--install", action="store_true",
-                   help=f"copy the exported models over the package's assets ({ASSETS})")
-    p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")
-    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    args = p.parse_args(argv)
-    stages = [s for s in args.stages.split(",") if s]
-    unknown = sorted(set(stages) - set(STAGES))
-    if unknown:
-        p.error(f"unknown stages {unknown}; expected {list(STAGES)}")
-    t0 = time.time()
-    log = run(args.work, TINY if args.tiny else Sizes(), stages, install=ASSETS if args.install else None)
-    print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -7,6 +7,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
+from dflash_jax import cli
 from dflash_jax.kernels.attention import prefill_keys_scored
 from dflash_jax.perf import regime, scaling, synthetic
 
@@ -53,10 +54,10 @@ def test_loop_compile_is_timed_in_stages():
     assert r["total_s"] == pytest.approx(r["trace_s"] + r["lower_s"] + r["compile_s"])
 
 
-def test_main_times_each_prefill_length_apart(tmp_path, capsys, monkeypatch):
+def test_command_times_each_prefill_length_apart(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(scaling, "prefill_target", lambda name: synthetic.random_target(TINY[0], dtype=jnp.float32))
     out = tmp_path / "s.json"
-    assert scaling.main(["--lengths", "8,16", "--repeats", "2", "--layers", "", "--json", str(out)]) == 0
+    assert cli.main(["scaling", "--lengths", "8,16", "--repeats", "2", "--layers", "", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| 8 |" in text and "| 16 |" in text and "DFlash loop" not in text
     rows = json.loads(out.read_text())["prefill"]["rows"]

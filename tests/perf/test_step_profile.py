@@ -54,7 +54,7 @@ def test_summarize_names_the_missing_flag_when_nothing_was_traced():
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's per-op trace")
 def test_command_profiles_the_shipped_loop_by_scope():
     env = {**os.environ, "XLA_FLAGS": ""}  # the command sets its own tracing flag
-    out = subprocess.run([sys.executable, "-m", "dflash_jax.perf.step_profile", "--method", "dflash:4",
+    out = subprocess.run([sys.executable, "-m", "dflash_jax.cli.step_profile", "--method", "dflash:4",
                           "--max-new-tokens", "12", "--top", "3"], capture_output=True, text=True, env=env,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

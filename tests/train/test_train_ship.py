@@ -1,4 +1,4 @@
-"""train/ship.py: the whole shipping pipeline at toy sizes, as ``python -m dflash_jax.train.ship --tiny`` runs it."""
+"""train/ship.py: the whole shipping pipeline at toy sizes, as ``dflash-jax ship --tiny`` runs it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
+from dflash_jax import cli
 from dflash_jax.models.drafter import load_drafter
 from dflash_jax.models.target import load_target
 from dflash_jax.train import evaluate, ship
@@ -26,7 +27,7 @@ def test_evaluation_prompts_are_never_in_the_drafter_data():
 @pytest.mark.slow
 def test_tiny_pipeline_exports_loadable_models_resumes_and_installs_only_when_asked(tmp_path, capsys):
     work, assets = tmp_path / "work", tmp_path / "assets"
-    ship.main(["--tiny", "--work", str(work)])
+    assert cli.main(["ship", "--tiny", "--work", str(work)]) == 0
     log = json.loads((work / "export" / "ship_log.json").read_text())
     assert set(ship.STAGES) <= set(log) | {"export"}, sorted(log)
     table = log["eval"]["table"]

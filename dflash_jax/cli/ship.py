@@ -1,0 +1,39 @@
+"""``dflash-jax ship``: reproduces the models shipped in ``dflash_jax/assets`` from scratch with fixed seeds,
+stage by stage, resuming where an interrupted run stopped (``dflash_jax.train.ship``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from dflash_jax.cli import args as cli_args
+from dflash_jax.train import ship
+
+
+def cmd_ship(args) -> int:
+    stages = [s for s in args.stages.split(",") if s]
+    unknown = sorted(set(stages) - set(ship.STAGES))
+    if unknown:
+        raise ValueError(f"--stages: unknown stages {unknown}; expected {list(ship.STAGES)}")
+    t0 = time.time()
+    log = ship.run(args.work, ship.TINY if args.tiny else ship.Sizes(), stages,
+                   install=ship.ASSETS if args.install else None)
+    print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Registers ``ship`` on the ``dflash-jax`` subcommands."""
+    p = sub.add_parser("ship", help="reproduce the shipped target, drafter and MTP head from scratch",
+                       description=ship.__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, default=Path("ship_work"), help="stage outputs and checkpoints")
+    p.add_argument("--install", action="store_true",
+                   help=f"copy the exported models over the package's assets ({ship.ASSETS})")
+    p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")
+    p.add_argument("--stages", default=",".join(ship.STAGES), help="comma-separated stages to run, of the default")
+    p.set_defaults(func=cmd_ship)
+
+
+if __name__ == "__main__":
+    cli_args.script(add_parser)
