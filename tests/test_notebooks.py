@@ -29,7 +29,7 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     if not (ASSETS / "target" / "config.json").exists() or not (ASSETS / "drafter" / "config.json").exists():
-        pytest.skip(f"no shipped models in {ASSETS} (python -m dflash_jax.train.ship writes them)")
+        pytest.skip(f"no shipped models in {ASSETS} (dflash-jax ship writes them)")
     nb = nbformat.read(path, as_version=4)
     monkeypatch.setenv("MPLBACKEND", "Agg")  # the kernel inherits it: figures render without a display
     # Two minutes on a quiet CPU; a machine whose load average exceeds its cores grants proportionally more.

@@ -53,7 +53,7 @@ def cmd_bench(args) -> int:
     if args.random_prompt_len < 1:
         raise ValueError(f"--random-prompt-len must be >= 1, got {args.random_prompt_len}")
     args.dtype = args.dtype or runtime.default_dtype()
-    out = Path(args.out)  # cli.check_outputs proved it writable before any work
+    out = Path(args.out)  # args.check_outputs proved it writable before any work
     if args.random_config:
         workloads = ["random"]
         target, drafter, model_dir, draft_dir = random_models(args, methods)

@@ -13,8 +13,8 @@ Per program two byte counts, from the lowered (pre-optimisation) HLO:
   into its neighbours: matmuls, kernels (custom calls), gathers/scatters and in-place row updates
   (their moved rows only), reductions, sorts, concatenations. The GPU's HBM traffic to first order.
 
-``dflash-jax perf-model`` prints the table and the tokens/s projections written into the
-README (``--json OUT`` also writes them); it takes about a minute of CPU.
+``dflash-jax perf-model`` prints the table and the tokens/s projections of ``docs/performance.md``
+(``--json OUT`` also writes them); it takes about a minute of CPU.
 """
 
 from __future__ import annotations
