@@ -16,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import functools
 import json
 import math
 import re
 import warnings
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from dflash_jax.kernels.mxfp4 import BLOCK, SCALE_MODES
 
@@ -745,10 +748,30 @@ DEFAULT_EXCLUDE = ("lm_head", "model.visual.*", "mtp.*", "*mlp.gate", "*shared_e
 _FULL_PREFIX = "model.language_model."  # the multimodal checkpoints' name for our "model."
 
 
+# Time one "re:" exclude pattern may take on one module name. A pattern from a downloaded config.json must not
+# hang the loader: Python's ``re`` backtracks exponentially on patterns such as ``(.|.)*X$`` and has no timeout,
+# so patterns are checked with ``re`` (the syntax Quark and vLLM read) and matched with ``regex`` (which has one).
+MATCH_TIMEOUT_S = 0.25
+
+
+@functools.lru_cache(maxsize=256)
+def _regex(pattern: str):
+    try:
+        re.compile(pattern)
+        return regex.compile(pattern)
+    except (re.error, regex.error, RecursionError, OverflowError) as e:
+        raise ConfigError(f"exclude pattern 're:{pattern}' is not a valid regular expression ({e})") from None
+
+
 def _matches(name: str, pattern: str) -> bool:
     """Quark/vLLM exclude semantics: "re:<regex>" (re.match), a glob if it has * ? [, else equality."""
     if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
+        try:
+            return _regex(pattern[3:]).match(name, timeout=MATCH_TIMEOUT_S) is not None
+        except TimeoutError:
+            raise ConfigError(f"exclude pattern {pattern!r} took over {MATCH_TIMEOUT_S} s to match the module name "
+                              f"{name!r} (catastrophic backtracking, e.g. a repeated group with overlapping "
+                              "alternatives such as (.|.)*); simplify it") from None
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern
@@ -770,6 +793,11 @@ class QuantConfig:
     weight_scale_mode: str = "floor"
 
     def __post_init__(self):
+        for pattern in self.exclude:
+            if not isinstance(pattern, str):
+                raise ConfigError(f"exclude pattern {pattern!r} is not a string")
+            if pattern.startswith("re:"):
+                _regex(pattern[3:])  # a bad regex is refused here, naming it
         for name, mode in (("input_scale_mode", self.input_scale_mode), ("weight_scale_mode", self.weight_scale_mode)):
             if mode is not None and mode not in SCALE_MODES:
                 raise ConfigError(f"QuantConfig.{name}={mode!r}; expected one of {SCALE_MODES}")
@@ -823,7 +851,10 @@ class QuantConfig:
         exclude = qc.get("exclude") or []
         need(isinstance(exclude, list) and all(isinstance(p, str) for p in exclude), "exclude",
              "must be a list of module-name patterns")
-        return cls(exclude=tuple(exclude), input_scale_mode=input_mode, weight_scale_mode=weight_mode)
+        try:
+            return cls(exclude=tuple(exclude), input_scale_mode=input_mode, weight_scale_mode=weight_mode)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {field}.exclude: {e}") from None
 
     def to_hf(self, exclude: tuple[str, ...] | None = None) -> dict:
         """Quark's ``quantization_config`` for this config (``exclude`` overrides the pattern list)."""

@@ -241,8 +241,16 @@ def verify_manifest(root: str | Path, what: str = "directory", *, checksums: boo
                              "dflash_jax without manifests wrote it; write it again)") from None
     except (ValueError, KeyError, TypeError) as e:
         raise IntegrityError(f"{root / MANIFEST}: unreadable manifest ({e})") from e
+    if not isinstance(listed, dict):
+        raise IntegrityError(f"{root / MANIFEST}: unreadable manifest (files is not an object)")
+    real_root = root.resolve()
     for rel, want in listed.items():
         p = root / rel
+        # A listed path is confined to the directory before anything at it is touched.
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not p.resolve().is_relative_to(real_root):
+            raise IntegrityError(f"{root / MANIFEST}: lists {rel!r}, which is outside {root}; refusing to read it")
+        if not isinstance(want, dict) or not isinstance(want.get("size"), int):
+            raise IntegrityError(f"{root / MANIFEST}: unreadable manifest entry for {rel!r}: {want!r}")
         if not p.is_file():
             raise IntegrityError(f"incomplete {what} at {root}: {rel} is missing")
         if p.stat().st_size != want["size"]:

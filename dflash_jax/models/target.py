@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import parallel
-from dflash_jax.config import TargetConfig, read_target_config
+from dflash_jax.config import ConfigError, TargetConfig, read_target_config
 from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels import dispatch as kernel_modes
 from dflash_jax.models import quant, rope
@@ -87,10 +87,10 @@ class DecoderLayer(nnx.Module):
 
 
 class TextModel(nnx.Module):
-    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs, layers: bool = True):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, t, dtype=dtype, kernels=kernels, rngs=rngs)
-                                for t in cfg.layer_types])
+                                for t in (cfg.layer_types if layers else ())])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
 
@@ -111,10 +111,10 @@ class Qwen35ForCausalLM(nnx.Module):
     """The whole target; ``kernels`` is the kernel mode of every layer (None: ``kernels.default_mode()``)."""
 
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, kernels: str | None = None,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, layers: bool = True):
         self.cfg = cfg
         self.kernels = kernels = kernel_modes.resolve(kernels)
-        self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+        self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs, layers=layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
@@ -272,7 +272,17 @@ class Target(SplitModel):
 
 
 def _abstract_model(cfg: TargetConfig, dtype, mtp: bool, kernels: str | None):
-    return nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=nnx.Rngs(0)))
+    """The model with ShapeDtypeStructs for parameters, built in time linear in the layer count: one trace of
+    the whole model grows quadratically (every traced RNG draw walks the trace so far), so the shell (embedding,
+    head, MTP) is traced without its decoder layers and each layer kind once, cloned per layer."""
+    kernels = kernel_modes.resolve(kernels)
+    model = nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, dtype=dtype, mtp=mtp, kernels=kernels, rngs=nnx.Rngs(0),
+                                                     layers=False))
+    kinds = {kind: nnx.eval_shape(lambda kind=kind: DecoderLayer(cfg, kind, dtype=dtype, kernels=kernels,
+                                                                 rngs=nnx.Rngs(0)))
+             for kind in dict.fromkeys(cfg.layer_types)}
+    model.model.layers = nnx.List([nnx.clone(kinds[kind]) for kind in cfg.layer_types])
+    return model
 
 
 def init_target(cfg: TargetConfig, *, dtype=jnp.float32, mtp: bool = False, seed: int = 0,
@@ -321,14 +331,16 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
             abstract = parallel.abstract_on(abstract, mesh, cfg)
         target = Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
         return target if quantized is None else quant.convert(target, quantized)
-    has_mtp = any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(path))
+    files = checkpoint.checkpoint_files(path)
+    _check_layers(cfg, files, path)  # before the model is built: a wrong layer count fails in a moment
+    has_mtp = any(k.startswith("mtp.") for k in files)
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
     model = _abstract_model(cfg, dtype, use_mtp, kernels)
     if qcfg is not None:
-        quant.quantize_modules(model, qcfg)  # the stored layout: packed weights + scales where quantized
-    graphdef, abstract = nnx.split(model)
-    flat = nnx.to_flat_state(abstract)
-    expected = {".".join(map(str, p)): v.get_value() for p, v in flat}
+        try:
+            quant.quantize_modules(model, qcfg)  # the stored layout: packed weights + scales where quantized
+        except ConfigError as e:
+            raise ConfigError(f"{path / 'config.json'}: {e}") from None
     ignore = [r"model\.visual\.", r"model\.language_model\.visual\.", r"visual\."]
     if not use_mtp:
         ignore.append(r"mtp\.")
@@ -339,10 +351,35 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
     def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
         return put(key, gdn_channels(cfg, key, host))
 
-    arrays = checkpoint.load_state(path, expected, ignore=ignore, place=place, progress=progress)
-    params = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
-    target = Target(cfg, graphdef, params)
+    target = Target(cfg, *checkpoint.load_params(path, model, ignore=ignore, place=place, progress=progress))
     return target if quantized is None else quant.convert(target, quantized)
+
+
+_LAYER_KEY = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
+
+
+def _check_layers(cfg: TargetConfig, keys, path) -> None:
+    """Refuses a checkpoint whose decoder layers are not exactly config.json's 0..num_hidden_layers - 1."""
+    held = sorted({int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))})
+    if held != list(range(cfg.num_hidden_layers)):
+        extra = [i for i in held if i >= cfg.num_hidden_layers]
+        missing = sorted(set(range(cfg.num_hidden_layers)) - set(held))
+        what = (f"tensors of {len(held)} decoder layers" + (f" (up to layer {held[-1]})" if held else "")
+                + (f"; missing layers {_spans(missing)}" if missing else "")
+                + (f"; extra layers {_spans(extra)}" if extra else ""))
+        raise checkpoint.CheckpointError(f"{path}: config.json says num_hidden_layers={cfg.num_hidden_layers}, but "
+                                         f"the checkpoint holds {what}")
+
+
+def _spans(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0..2, 5' (at most a few spans shown)."""
+    spans, start = [], None
+    for a, b in zip(ids, ids[1:] + [None], strict=True):
+        start = a if start is None else start
+        if b != a + 1:
+            spans.append(f"{start}..{a}" if a != start else str(a))
+            start = None
+    return ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
 
 
 def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
