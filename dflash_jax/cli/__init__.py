@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     # subcommand module already loaded by it would run twice (runpy's warning).
     from dflash_jax.cli import (
         bench,
+        compile,
         generate,
         gpu_check,
         kernel_bench,
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(sub)
     # then the developer tools: the shipped models' pipeline, the performance measurements and reports
     for tool in (ship, perf_model, regime, scaling, step_profile, quant_report, sharding_report, kernel_report,
-                 kernel_bench, gpu_check):
+                 kernel_bench, gpu_check, compile):
         tool.add_parser(sub)
     return parser
 

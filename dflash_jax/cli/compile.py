@@ -1,0 +1,115 @@
+"""``dflash-jax compile``: the loop's programs compiled for a TPU (libtpu) or a GPU (the CUDA plugin) on a host
+without one, per program its memory against the chip's, FLOPs, bytes and the compiler's time estimate
+(``dflash_jax.perf.compile_report``; the table and its reading: ``docs/compile.md``). A JSON row per program
+and one summary row per configuration (verify / decode ratio, projected tokens/s per chip), then a table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+
+from dflash_jax.cli import args as cli_args
+from dflash_jax.io import atomic
+
+SHAPES = ("shipped", "27b", "35b-a3b")
+
+
+def compiler_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE, VALUE read as a bool, an int or a float where it is one (XLA's option types), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return key, lowered == "true"
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
+def cmd_compile(args) -> int:
+    # The host traces on its CPU; the target devices are compile-only. Without this JAX would probe for a TPU
+    # (libtpu installed) or a GPU (the CUDA plugin) as its default backend. Before JAX's first backend.
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    from dflash_jax.decoding import runtime
+    from dflash_jax.perf import compile_report, synthetic
+
+    if args.platform == "tpu":
+        devices = compile_report.tpu_devices(args.topology)
+    else:
+        devices = compile_report.gpu_devices(args.gpu, max(args.tp))
+    if max(args.tp) > len(devices):
+        raise ValueError(f"--tp {max(args.tp)} needs {max(args.tp)} devices; the topology has {len(devices)}")
+    if args.shape == "shipped":
+        configs = (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
+    else:
+        configs = synthetic.REAL_SHAPES[args.shape]
+    options = dict(args.compiler_option)
+    rows = []
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    for tp in args.tp:
+        for batch in args.batch:
+            setup = compile_report.abstract_setup(*configs, devices, shape=args.shape, kernels=args.kernels,
+                                                  model=tp, batch=batch, block=args.block, context=args.context)
+            compile_report.report(setup, args.programs, compiler_options=options, tau=args.tau, on_row=emit)
+    print(compile_report.format_rows(rows))
+    if args.json:
+        atomic.write_text(args.json, json.dumps(rows, indent=1))
+    return 0
+
+
+def _programs(text: str) -> tuple[str, ...]:
+    from dflash_jax.perf.compile_report import PROGRAMS
+
+    names = tuple(s for s in text.split(",") if s)
+    bad = [n for n in names if n not in PROGRAMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(PROGRAMS)}, got {text!r}")
+    return names
+
+
+def add_parser(sub) -> None:
+    """Registers ``compile`` on the ``dflash-jax`` subcommands."""
+    p = sub.add_parser("compile", help="compile the loop's programs for a TPU or GPU on this host; memory and cost",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--platform", choices=("tpu", "cuda"), default="tpu",
+                   help="tpu: libtpu's compiler (pip install 'jax[tpu]==0.10.2'); cuda: XLA's GPU compiler "
+                        "(the CUDA plugin of jax[cuda12])")
+    p.add_argument("--topology", default="v5p:2x2x1",
+                   help="TPU topology (chip:shape), e.g. v5p:2x2x1, v5e:2x4, v6e:2x2, v4:2x2x1")
+    p.add_argument("--gpu", default="h200", choices=("h100", "h200"), help="GPU target (--platform cuda)")
+    p.add_argument("--shape", choices=SHAPES, default="27b",
+                   help="the models: the shipped pair's configs, or Qwen3.5-27B / 35B-A3B with their DFlash "
+                        "drafters (abstract bf16 parameters: nothing is allocated)")
+    p.add_argument("--tp", type=cli_args.ints, default=[1],
+                   help="comma-separated tensor-parallel sizes (chips of the topology; 1 = one chip)")
+    p.add_argument("--batch", type=cli_args.ints, default=[1], help="comma-separated batch sizes")
+    p.add_argument("--block", type=int, default=16, help="DFlash block: verify(block) against decode(1)")
+    p.add_argument("--context", type=int, default=4096,
+                   help="cache positions attended (the cache holds context + 2 x block)")
+    p.add_argument("--programs", type=_programs, default=("decode", "verify", "step"),
+                   help="comma-separated: decode (plain step, T=1), verify (T=block), settle, draft, step, "
+                        "loop (the on-device while-loop), run (prefill + loop: the whole generate)")
+    p.add_argument("--kernels", choices=("reference", "pallas"), default="reference",
+                   help="the models' kernel mode (pallas: the Triton kernels, GPU only)")
+    p.add_argument("--compiler-option", type=compiler_option, action="append", default=[], metavar="KEY=VALUE",
+                   help="an XLA compiler option (repeatable), e.g. xla_tpu_enable_dot_strength_reduction=false")
+    p.add_argument("--tau", type=float, default=10.377, help="tokens per DFlash step for the tokens/s projection "
+                   "(default: the report's 27B HumanEval tau at block 16)")
+    p.add_argument("--json", metavar="OUT", help="also write the rows to this JSON file")
+    p.set_defaults(func=cmd_compile)
+
+
+if __name__ == "__main__":
+    cli_args.script(add_parser)

@@ -1,0 +1,263 @@
+"""The loop's programs as the TPU compiler builds them, on a CPU host: memory, FLOPs, bytes and time per chip.
+
+Where it sits: among the measurement tools, on top of the loop (``SpeculativeLoop``), the sharding tables
+and ``synthetic``'s abstract models. Nothing runs and nothing is allocated: libtpu's compiler (``jax[tpu]``)
+is handed compile-only TPU devices of a named topology (``jax.experimental.topologies``), each program is
+lowered from ``jax.ShapeDtypeStruct`` arguments placed on them (one chip, or a tensor-parallel mesh by the
+project's own layouts) and compiled; the compiled program reports its per-device memory
+(``memory_analysis``: arguments, outputs, aliased, temporaries) and its cost (``cost_analysis``: FLOPs,
+bytes accessed and the compiler's own ``optimal_seconds``). The programs are the loop's phases at one
+(batch, block, context): ``decode(1)`` (a plain-decoding step: verify T=1, accept, commit), ``verify(B)``
+(the DFlash check: the target over the block), ``settle`` (accept, commit target and drafter), ``draft``,
+``step`` (the three in one) and ``loop`` (the whole on-device ``decode`` while-loop). ``docs/compile.md``
+holds the 27B / 35B-A3B table and what departs from the physics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import parallel
+from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
+from dflash_jax.decoding.proposers import DFlashProposer, NoProposer
+from dflash_jax.perf import roofline, synthetic
+
+# Memory per chip (bytes) by the compile-only device's ``device_kind`` (the vendors' data sheets).
+HBM_BYTES = {"TPU v4": 32 * 2**30, "TPU v5 lite": 16 * 2**30, "TPU v5": 95 * 2**30, "TPU v6 lite": 32 * 2**30,
+             "NVIDIA H100": 80e9, "NVIDIA H200": 141e9}
+# GPUs the CUDA plugin compiles for without one (``gpu_devices``): published specs, as XLA's
+# ``GpuTargetConfigProto`` wants them (SMs, shared memory and registers per SM, clocks, memory, bandwidth).
+GPUS = {
+    "h100": dict(name="NVIDIA H100", major=9, core_count=132, memory=80e9, bandwidth=3.35e12, l2=50 * 2**20),
+    "h200": dict(name="NVIDIA H200", major=9, core_count=132, memory=141e9, bandwidth=4.8e12, l2=50 * 2**20),
+}
+PROGRAMS = ("decode", "verify", "settle", "draft", "step", "loop", "run")
+TAU = 10.377  # the report's 27B HumanEval tokens per step at block 16 (MI355X, vLLM)
+
+
+def tpu_devices(topology: str) -> list:
+    """Compile-only TPU devices of ``topology`` (e.g. ``v5p:2x2x1``, ``v5e:2x4``), on a host without a TPU.
+
+    libtpu is told to skip the cloud metadata server (there is none) and to allow other processes that
+    loaded it (a JAX process started without ``JAX_PLATFORMS=cpu`` holds its lock file); compile-only
+    devices touch no hardware, so neither matters here."""
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    try:
+        return list(topologies.get_topology_desc(topology, platform="tpu").devices)
+    except (RuntimeError, ValueError) as e:  # libtpu missing, or a topology it does not know
+        raise ValueError(f"--topology {topology}: no compile-only TPU devices ({str(e).splitlines()[0]}); "
+                         f"install libtpu (pip install 'jax[tpu]==0.10.2') and name a topology such as "
+                         f"v5p:2x2x1, v5e:2x4 or v6e:2x2") from None
+
+
+def gpu_target_config(gpu: str) -> str:
+    """XLA's ``GpuTargetConfigProto`` text for one of ``GPUS`` (Hopper: 228 KiB shared memory per SM, 227 KiB
+    per block opted in, 64K registers, 2048 threads per SM, 1.98 GHz boost)."""
+    g = GPUS[gpu]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 shared_memory_per_block_optin: 232448 threads_per_core_limit: 2048
+  core_count: {g["core_count"]} fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: {int(g["bandwidth"])} l2_cache_size: {g["l2"]} clock_rate_ghz: 1.98
+  device_memory_size: {int(g["memory"])} registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  cuda_compute_capability {{ major: {g["major"]} }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+device_description_str: "{g["name"]}"
+"""
+
+
+def gpu_devices(gpu: str, count: int = 1) -> list:
+    """Compile-only CUDA devices of one of ``GPUS`` (``count`` on one host), on a host without a GPU: needs
+    the CUDA plugin (``jax[cuda12]``; the plugin alone, no CUDA libraries, is enough to compile)."""
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu}: one of {', '.join(GPUS)}")
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config(gpu),
+                                                topology=f"1x1x{count}")
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        raise ValueError(f"--gpu {gpu}: no compile-only CUDA devices ({str(e).splitlines()[0]}); install the "
+                         f"CUDA plugin (pip install 'jax[cuda12]==0.10.2')") from None
+    return list(topology.devices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One configuration to compile: abstract target and drafter, devices, tensor parallelism, shapes."""
+
+    shape: str  # a ``synthetic.REAL_SHAPES`` key, or "" for given models
+    target: object  # synthetic.abstract_target(...) or a loaded Target
+    drafter: object
+    devices: tuple
+    model: int = 1  # tensor-parallel size (1: one chip)
+    batch: int = 1
+    block: int = 16
+    context: int = 4096  # cache positions the step's tokens attend (capacity: context + 2 x block)
+    prompt: int = 16  # prompt bucket of the abstract init (its prefill is traced, not compiled)
+
+    @property
+    def capacity(self) -> int:
+        return self.context + 2 * self.block
+
+
+def _placed(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _on(tree, device_sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device_sharding), tree)
+
+
+def programs(setup: Setup) -> dict[str, tuple]:
+    """name -> (jitted phase, its abstract arguments, target tokens per row), ready for ``.lower``."""
+    s = setup
+    devices = list(s.devices)[:s.model]
+    mesh = None if s.model == 1 else parallel.make_mesh(model=s.model, devices=devices)
+    max_new = s.capacity - s.prompt - s.block
+    spec = SpecConfig(block_size=s.block, max_new_tokens=max_new, stop_ids=(), capacity=s.capacity)
+    dflash = DFlashProposer(s.drafter.cfg, s.drafter.graphdef)
+    loops = {"plain": SpeculativeLoop.of(s.target, NoProposer(), dataclasses.replace(spec, block_size=1), mesh),
+             "dflash": SpeculativeLoop.of(s.target, dflash, spec, mesh)}
+    pparams = {"plain": (), "dflash": s.drafter.params}
+    tokens = jax.ShapeDtypeStruct((s.batch, s.prompt), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((s.batch,), jnp.int32)
+    args = {}
+    for kind, loop in loops.items():
+        params = (s.target.params, pparams[kind])
+        if mesh is None:
+            one = jax.sharding.SingleDeviceSharding(devices[0])
+            params, rows = _on(params, one), _on((tokens, lengths), one)
+        else:
+            tlay, dlay = parallel.layouts(mesh, s.target.cfg, loop.proposer)
+            params = (_placed(params[0], parallel.param_shardings(params[0], tlay)),
+                      _placed(params[1], parallel.param_shardings(params[1], dlay or tlay)))
+            rows = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.shape))
+                         for x in (tokens, lengths))
+        state = jax.eval_shape(lambda p, t, n, loop=loop: loop.init(p, t, n, 0), params, *rows)
+        if mesh is None:
+            state = _on(state, one)
+        else:
+            state = _placed(state, parallel.state_shardings(state, s.batch, *parallel.layouts(
+                mesh, s.target.cfg, loop.proposer)))
+        args[kind] = params, state, rows
+    loop, (params, state, rows) = loops["dflash"], args["dflash"]
+    draft = jax.eval_shape(loop.draft, params, state)
+    verified = jax.eval_shape(loop.check, params, state, draft)
+    if mesh is None:
+        draft, verified = _on(draft, one), _on(verified, one)
+    return {
+        "decode": (SpeculativeLoop.step, (loops["plain"], *args["plain"][:2]), 1),
+        "verify": (SpeculativeLoop.check, (loop, params, state, draft), s.block),
+        "settle": (SpeculativeLoop.settle, (loop, params, state, draft, verified), 0),
+        "draft": (SpeculativeLoop.draft, (loop, params, state), 0),
+        "step": (SpeculativeLoop.step, (loop, params, state), s.block),
+        "loop": (SpeculativeLoop.decode, (loop, params, state), s.block),
+        "run": (SpeculativeLoop.run, (loop, params, *rows, 0), s.block),
+    }
+
+
+def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
+    """Lowers and compiles one phase; its per-device memory and cost as the compiler reports them. Where the
+    compiled program has no cost analysis (XLA's GPU compiler through its plugin) FLOPs and bytes are the
+    lowered program's (before fusion: bytes are an upper bound) and ``optimal_seconds`` is NaN."""
+    start = time.perf_counter()
+    lowered = phase.lower(*args)
+    compiled = lowered.compile(compiler_options=compiler_options or None)
+    seconds = time.perf_counter() - start
+    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    source = "compiled"
+    if not cost:
+        cost, source = lowered.cost_analysis() or {}, "lowered"
+    row = dict(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
+               alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
+               code_bytes=mem.generated_code_size_in_bytes,
+               flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
+               optimal_seconds=float(cost.get("optimal_seconds", math.nan)), cost_source=source,
+               compile_s=round(seconds, 1))
+    # What the chip holds while it runs: inputs, outputs not aliased to a donated input, temporaries.
+    row["peak_bytes"] = row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
+    return row
+
+
+def physics_flops(setup: Setup, tokens: int) -> float:
+    """2 x the target's weights each token meets + attention over the context, per chip (``roofline``)."""
+    if tokens == 0:
+        return math.nan
+    cost = roofline.target_cost(setup.target.cfg, tokens=tokens, batch=setup.batch, context=setup.context)
+    return cost.flops / setup.model
+
+
+def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None, tau: float = TAU,
+           on_row=None) -> list[dict]:
+    """One row per compiled program of ``setup`` (``on_row(row)`` as each finishes), then the summary row
+    ``ratio``: verify(block) / decode(1) by the compiler's time and projected tokens/s per chip at ``tau``."""
+    device = setup.devices[0]
+    hbm = HBM_BYTES.get(device.device_kind)
+    head = dict(shape=setup.shape, device=device.device_kind, chips=setup.model, batch=setup.batch,
+                block=setup.block, context=setup.context, hbm_bytes=hbm, compiler_options=compiler_options or {})
+    built = programs(setup)
+    rows = {}
+    for name in names:
+        phase, args, tokens = built[name]
+        row = dict(head, program=name, **compile_program(phase, args, compiler_options))
+        row["physics_flops"] = physics_flops(setup, tokens)
+        row["fits"] = None if hbm is None else row["peak_bytes"] <= row["hbm_bytes"]
+        rows[name] = row
+        if on_row:
+            on_row(row)
+    out = list(rows.values())
+    if "decode" in rows and "verify" in rows and not math.isnan(rows["decode"]["optimal_seconds"]):
+        t1, tv = rows["decode"]["optimal_seconds"], rows["verify"]["optimal_seconds"]
+        summary = dict(head, program="ratio", verify_over_decode=tv / t1,
+                       plain_tok_s_per_chip=setup.batch / t1 / setup.model)
+        if "step" in rows:
+            summary["dflash_tok_s_per_chip"] = setup.batch * tau / rows["step"]["optimal_seconds"] / setup.model
+            summary["tau"] = tau
+        out.append(summary)
+        if on_row:
+            on_row(summary)
+    return out
+
+
+def abstract_setup(target_config, drafter_config, devices, *, shape: str = "", kernels: str = "reference",
+                   **kw) -> Setup:
+    """A ``Setup`` of abstract models (bf16) of two configs (as ``synthetic`` takes them: objects, raw
+    ``config.json`` dicts or paths); ``kw``: the ``Setup`` fields (model, batch, block, context, prompt)."""
+    return Setup(shape=shape, target=synthetic.abstract_target(target_config, kernels=kernels),
+                 drafter=synthetic.abstract_drafter(drafter_config, kernels=kernels), devices=tuple(devices), **kw)
+
+
+def real_setup(shape: str, devices, **kw) -> Setup:
+    """``abstract_setup`` of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter."""
+    return abstract_setup(*synthetic.REAL_SHAPES[shape], devices, shape=shape, **kw)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """A markdown table of ``report`` rows."""
+    gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    lines = ["| model | chip x n | batch | program | args GiB | out GiB | temp GiB | peak / HBM GiB | GFLOP "
+             "(/ physics) | GB accessed | optimal ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        where = f"| {r['shape']} | {r['device']} x {r['chips']} | {r['batch']} "
+        if r["program"] == "ratio":
+            dflash = r.get("dflash_tok_s_per_chip")
+            lines.append(where + f"| **verify({r['block']}) / decode(1) = {r['verify_over_decode']:.3f}**; "
+                         f"tok/s per chip: plain {r['plain_tok_s_per_chip']:.0f}"
+                         + ("" if dflash is None else f", DFlash {dflash:.0f} (tau {r['tau']})") + " ||||||||")
+            continue
+        hbm = "?" if r["hbm_bytes"] is None else gib(r["hbm_bytes"])
+        ratio = "" if math.isnan(r["physics_flops"]) else f" ({r['flops'] / r['physics_flops']:.2f}x)"
+        lines.append(where + f"| {r['program']} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} | "
+                     f"{gib(r['temp_bytes'])} | {gib(r['peak_bytes'])} / {hbm} | {r['flops'] / 1e9:.1f}{ratio} | "
+                     f"{r['bytes_accessed'] / 1e9:.2f} | {r['optimal_seconds'] * 1e3:.3f} |")
+    return "\n".join(lines)

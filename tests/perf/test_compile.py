@@ -1,0 +1,83 @@
+"""The TPU compiler (libtpu, compile-only devices on this CPU host) builds the loop's programs: the shipped pair's
+whole generate (prefill + the on-device loop) for one chip and for a tensor-parallel v5e 2x2 mesh, the compile
+CLI, and the cost-model fact that docs/compile.md's FLOPs explanation rests on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dflash_jax.cli import main
+from dflash_jax.decoding import runtime
+from dflash_jax.perf import compile_report
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                reason="libtpu not installed (the test extra: jax[tpu])")
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    return compile_report.tpu_devices("v5e:2x2")
+
+
+def _shipped(devices, **kw):
+    return compile_report.abstract_setup(runtime.ASSETS / "target", runtime.ASSETS / "drafter", devices,
+                                         shape="shipped", batch=2, context=64, **kw)
+
+
+def _param_bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_the_shipped_generate_compiles_for_one_chip_and_a_tensor_parallel_mesh(v5e):
+    one = _shipped(v5e)
+    params = _param_bytes((one.target.params, one.drafter.params))
+    (single,) = compile_report.report(one, ("run",))
+    assert single["device"] == "TPU v5 lite" and single["cost_source"] == "compiled"
+    assert params <= single["argument_bytes"] < 2 * params  # the params and the prompts, one copy
+    assert single["flops"] > 0 and single["optimal_seconds"] > 0 and single["fits"]
+    tp = _shipped(v5e, model=4)
+    phase, args, _ = compile_report.programs(tp)["run"]
+    compiled = phase.lower(*args).compile()
+    assert {d for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set} == set(v5e)
+    per_chip = compiled.memory_analysis().argument_size_in_bytes
+    assert per_chip < 0.6 * single["argument_bytes"]  # the matrices split over 4 chips (norms, KV heads: whole)
+    assert "all-reduce" in compiled.as_text()  # row-parallel projections sum their partial products
+
+
+def test_a_one_row_matmul_costs_five_vector_ops_per_weight_unless_strength_reduction_is_off(v5e):
+    """docs/compile.md's first explanation: at one row the compiler turns x @ W into multiply + reduce on the
+    vector unit and counts 5 ops per weight (2 converts, a multiply, an add, a rounding); from 2 rows, or
+    with the rewrite off, the MXU's 2 per weight. The compiler picks the rewrite because its own time
+    estimate is never worse: equal at a 27B MLP matrix (the weights' bytes), better at small ones."""
+    one = jax.sharding.SingleDeviceSharding(v5e[0])
+    D, F = 5120, 17408  # Qwen3.5-27B's up projection
+    w = jax.ShapeDtypeStruct((D, F), jnp.bfloat16, sharding=one)
+    costs = {}
+    for rows in (1, 2):
+        x = jax.ShapeDtypeStruct((rows, D), jnp.bfloat16, sharding=one)
+        for off in (False, True):
+            options = {"xla_tpu_enable_dot_strength_reduction": False} if off else None
+            cost = jax.jit(jnp.matmul).lower(x, w).compile(compiler_options=options).cost_analysis()
+            costs[rows, off] = cost["flops"] / (2 * rows * D * F), cost["optimal_seconds"]
+    assert costs[1, False][0] == pytest.approx(2.5, rel=1e-3)
+    assert costs[1, True][0] == pytest.approx(1.0, rel=1e-3) == costs[2, False][0]
+    assert costs[1, True][1] == pytest.approx(costs[1, False][1], rel=0.01)
+
+
+def test_the_compile_command_writes_rows_and_refuses_an_unknown_topology(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x2", "--programs", "decode,verify",
+                 "--batch", "2", "--context", "64", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["program"] for r in rows] == ["decode", "verify", "ratio"]
+    ratio = rows[-1]
+    assert math.isclose(ratio["verify_over_decode"], rows[1]["optimal_seconds"] / rows[0]["optimal_seconds"])
+    assert "verify(16) / decode(1)" in capsys.readouterr().out
+    assert main(["compile", "--topology", "v9z:2x2"]) == 2
+    assert "--topology v9z:2x2: no compile-only TPU devices" in capsys.readouterr().err
