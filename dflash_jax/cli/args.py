@@ -66,7 +66,13 @@ class Parser(argparse.ArgumentParser):
     def add_argument(self, *args, **kwargs):
         if "help" not in kwargs and not _no_default(kwargs.get("default")):
             kwargs["help"] = "(default: %(default)s)"  # argparse prints no help line for an option without help
-        return super().add_argument(*args, **kwargs)
+        action = super().add_argument(*args, **kwargs)
+        if set(action.option_strings) & set(OUTPUT_FLAGS) and "overwrite" not in self._defaults and not any(
+                a.dest == "overwrite" for a in self._actions):  # every writer of a directory takes --overwrite
+            super().add_argument("--overwrite", action="store_true",
+                                 help="write into an existing, non-empty output directory that this command did "
+                                      "not write (by default only a new or empty one, or this command's own)")
+        return action
 
 
 def version() -> str:
@@ -135,12 +141,26 @@ def mesh_from_args(args) -> Mesh | None:
     return make_mesh(data=data, model=model, expert=expert)
 
 
+# Output directories (the flag's dest) and the input checkpoints (dests) no output may be, hold or lie in.
+OUTPUT_FLAGS = ("--out", "--ckpt-dir")
+INPUT_DESTS = ("model", "draft_model", "target", "tokenizer")
+
+
 def check_outputs(args) -> None:
-    """Output folders are proven writable, and checkpoint settings consistent, before any work starts."""
-    for flag in ("out", "ckpt_dir"):
-        path = getattr(args, flag, None)
-        if path is not None:
-            atomic.check_writable(path, "--" + flag.replace("_", "-"))
+    """Output folders are claimed (``atomic.claim_directory``: new, empty, this command's own, or ``--overwrite``;
+    never an input model's), and checkpoint settings checked consistent, before any work starts."""
+    inputs = [getattr(args, d) for d in INPUT_DESTS if isinstance(getattr(args, d, None), str | os.PathLike)]
+    outputs = {flag: getattr(args, flag[2:].replace("-", "_"), None) for flag in OUTPUT_FLAGS}
+    outputs = {flag: path for flag, path in outputs.items() if path is not None}
+    if len(outputs) == 2:
+        out, ckpt = (os.path.abspath(p) for p in outputs.values())
+        if os.path.commonpath([out, ckpt]) in (out, ckpt):
+            raise ValueError(f"--out {outputs['--out']} and --ckpt-dir {outputs['--ckpt-dir']} overlap (one is, holds "
+                             "or lies in the other): the finished output would replace the checkpoints, or the "
+                             "reverse; give separate directories")
+    for flag, path in outputs.items():
+        atomic.claim_directory(path, writer=f"dflash-jax {args.command}", flag=flag,
+                               overwrite=getattr(args, "overwrite", False), sources=inputs)
     if getattr(args, "ckpt_dir", None) is not None and args.ckpt_every < 1:
         raise ValueError(f"--ckpt-every {args.ckpt_every} with --ckpt-dir would never save a checkpoint; "
                          f"give a step interval >= 1")
@@ -158,6 +178,13 @@ def run(args) -> int:
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"dflash-jax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C (often during a compile): one line and the shell's status for SIGINT. os._exit, not a return:
+        # the interpreter's teardown with XLA's compile threads still running can crash (SIGSEGV).
+        print("\ndflash-jax: interrupted", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
 
 
 def script(add_parser) -> None:

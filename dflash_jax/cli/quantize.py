@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
 def _cmd_quantize(args) -> int:
     dtype = None if args.dtype is None else jnp.dtype(args.dtype)
     paths = quantize_checkpoint(args.model, args.out, exclude=tuple(args.exclude),
-                                input_scale_mode=args.input_scale_mode, dtype=dtype, progress=not args.quiet)
+                                input_scale_mode=args.input_scale_mode, dtype=dtype, progress=not args.quiet,
+                                overwrite=args.overwrite)
     print(f"{len(paths)} projections MXFP4 -> {args.out}")
     return 0

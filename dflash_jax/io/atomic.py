@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import glob
 import hashlib
 import json
 import os
@@ -30,6 +31,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 MANIFEST = "dflash_jax.manifest.json"
+# Left in every directory a dflash-jax command writes, naming the command: a later run of that command may replace
+# or add to the directory, any other writer only when told to (``--overwrite``).
+MARKER = "dflash_jax.output.json"
 _CHUNK = 1 << 24
 
 
@@ -134,46 +138,125 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+def written_by(directory: str | Path) -> str | None:
+    """The writer recorded in ``directory``'s marker (``MARKER``); None where there is none."""
+    try:
+        writer = json.loads((Path(directory) / MARKER).read_text()).get("writer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return writer if isinstance(writer, str) else None
+
+
+def mark(directory: str | Path, writer: str) -> None:
+    """Records ``writer`` as the writer of ``directory`` (``written_by``)."""
+    write_text(Path(directory) / MARKER, json.dumps({"writer": writer}))
+
+
+def _check_sources(given: Path, path: Path, sources, name: str) -> None:
+    """Refuses an output that is, holds or lies inside one of the checkpoints it reads (symlinks resolved)."""
+    for source in sources:
+        source = Path(source).absolute()
+        real_source = source.resolve()
+        links = "" if (path, real_source) == (given, source) else \
+            f" (with symlinks resolved: {path} and {real_source})"
+        if real_source.is_relative_to(path):
+            raise WriteError(f"{name} is or holds the source checkpoint {source}{links}; replacing it "
+                             "would delete the source: write to another directory")
+        if path.is_relative_to(real_source):
+            raise WriteError(f"{name} is inside the source checkpoint {source}{links}; a command never writes "
+                             "into the model it reads: write to another directory")
+
+
+def claim_directory(path: str | Path, *, writer: str, flag: str = "--out", overwrite: bool = False,
+                    sources=()) -> Path:
+    """An output directory a command fills file by file (results, plots, training checkpoints): created and marked
+    as ``writer``'s when new or empty; an existing one only if ``writer`` marked it (a rerun) or with ``overwrite``.
+    Never one that is, holds or is inside a checkpoint in ``sources``. Refusals (``WriteError``) name the flag and
+    both paths; nothing is written then."""
+    given, real = Path(path).absolute(), _resolved(path)
+    _check_sources(given, real, sources, f"{flag} {given}")
+    if real.exists() and not real.is_dir():
+        raise WriteError(f"{flag} {given}: exists and is not a directory")
+    if real.is_dir() and any(real.iterdir()) and written_by(real) != writer and not overwrite:
+        raise WriteError(f"{flag} {given}: a non-empty directory that {writer} did not write ({_marked(real)}); "
+                         "refusing to write into it: give a new or empty directory, or --overwrite")
+    check_writable(real, flag)
+    if written_by(real) != writer:
+        mark(real, writer)
+    return real
+
+
+def _marked(path: Path) -> str:
+    writer = written_by(path)
+    return f"{writer} wrote it" if writer else f"no {MARKER} in it"
+
+
 def check_replaceable(path: str | Path, *, replaces: Callable[[Path], bool] | None = None, what: str = "output",
-                      source: str | Path | None = None) -> Path:
+                      source: str | Path | None = None, sources=(), writer: str | None = None,
+                      overwrite: bool = False, flag: str | None = None) -> Path:
     """The checks ``directory_writer`` makes before it writes, on their own (a long job makes them first, so
     that an output it may not write fails before the work, not after); returns the path written: ``path``
     absolute, its symlinks resolved (a symlinked output is written through, the link kept).
 
-    Raises ``WriteError`` when ``path`` is or holds the checkpoint ``source`` that the write reads (symlinks
-    resolved: replacing ``path`` would delete it), ``path`` is a file, a non-empty directory for which
-    ``replaces(path)`` is false (a folder of the user's that a ``what`` must not wipe), or in a parent that
-    cannot be written.
+    Raises ``WriteError`` when ``path`` is, holds or lies inside a checkpoint (``source``, ``sources``) that the
+    write reads (symlinks resolved: replacing ``path`` would delete it), ``path`` is a file, a non-empty
+    directory that is not replaceable (a folder of the user's that a ``what`` must not wipe), or in a parent that
+    cannot be written. Replaceable: ``writer`` recorded in its marker (``written_by``), or ``replaces(path)``
+    true, or ``overwrite``; with neither ``writer`` nor ``replaces`` any directory is.
     """
     given, path = Path(path).absolute(), _resolved(path)
-    if source is not None:
-        source = Path(source).absolute()
-        real_source = source.resolve()
-        if real_source.is_relative_to(path):
-            links = "" if (path, real_source) == (given, source) else \
-                f" (with symlinks resolved: {path} and {real_source})"
-            raise WriteError(f"the {what} {given} is or holds the source checkpoint {source}{links}; replacing it "
-                             "would delete the source: write to another directory")
+    name = f"{flag} {given}" if flag else f"the {what} {given}"
+    _check_sources(given, path, [s for s in (source, *sources) if s is not None], name)
     if path.exists() and not path.is_dir():
         raise WriteError(f"{path} exists and is not a directory")
-    if replaces is not None and path.is_dir() and any(path.iterdir()) and not replaces(path):
-        raise WriteError(f"{path} is a non-empty directory that is not a {what}; refusing to replace it "
-                         "(write to a new or empty directory)")
+    guarded = writer is not None or replaces is not None
+    if guarded and not overwrite and path.is_dir() and any(path.iterdir()) and written_by(path) != writer and not (
+            replaces is not None and replaces(path)):
+        whose = f"that {writer} did not write ({_marked(path)})" if writer else f"that is not a {what}"
+        raise WriteError(f"{name} is a non-empty directory {whose}; refusing to replace it: write to a new or empty "
+                         "directory" + (", or pass --overwrite" if writer else ""))
     check_writable(path.parent)
     return path
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def _remove_dead_temporaries(path: Path) -> None:
+    """Temporaries beside ``path`` (``.NAME.tmp-<pid>-...``, ``.NAME.old-<pid>-...``) whose writer is no longer
+    running: a killed writer's leftovers, removed by the next writer (which holds the lock)."""
+    for stray in path.parent.glob(f".{glob.escape(path.name)}.*-*-*"):
+        kind, _, rest = stray.name[len(path.name) + 2:].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind in ("tmp", "old") and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            if stray.is_dir() and not stray.is_symlink():
+                shutil.rmtree(stray, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    stray.unlink()
+
+
 @contextlib.contextmanager
 def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | None = None,
-                     what: str = "output", source: str | Path | None = None) -> Iterator[Path]:
+                     what: str = "output", source: str | Path | None = None, sources=(), writer: str | None = None,
+                     overwrite: bool = False, flag: str | None = None) -> Iterator[Path]:
     """Yields an empty temporary directory to fill; when the block ends it replaces ``path`` (a symlink: the
     directory it points to) whole.
 
     On an exception (or a kill) the previous ``path`` stays as it was. Refuses (``WriteError``) what
     ``check_replaceable`` refuses, before anything is written, and while another process is writing
-    ``path``. A write that reads a checkpoint directory passes it as ``source``.
+    ``path``. A write that reads a checkpoint directory passes it as ``source``. With ``writer`` the new
+    directory carries its marker (``written_by``). Temporaries of earlier writers that died are removed.
     """
-    path = check_replaceable(path, replaces=replaces, what=what, source=source)
+    path = check_replaceable(path, replaces=replaces, what=what, source=source, sources=sources, writer=writer,
+                             overwrite=overwrite, flag=flag)
     lock_file = path.with_name(f".{path.name}.lock")
     with open(lock_file, "a") as lock:
         try:
@@ -181,9 +264,12 @@ def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | Non
         except BlockingIOError:
             raise WriteError(f"another process is writing {path} (it holds {lock_file}); "
                              "wait for it to finish or write elsewhere") from None
+        _remove_dead_temporaries(path)
         tmp = _temp_sibling(path, "tmp")
         tmp.mkdir()
         try:
+            if writer is not None:
+                mark(tmp, writer)
             yield tmp
             _fsync_tree(tmp)
             if path.exists():

@@ -49,12 +49,11 @@ def _tensors(target, dtype) -> dict[str, np.ndarray]:
     return out
 
 
-def _is_checkpoint(path: Path) -> bool:
-    """What ``save_quark`` may replace: an earlier checkpoint (a folder of the user's it refuses)."""
-    return (path / "config.json").is_file()
+WRITER = "dflash-jax quantize"  # the marker (``atomic.written_by``) of what save_quark may replace without overwrite
 
 
-def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, shard_bytes: int = 4 << 30) -> None:
+def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, shard_bytes: int = 4 << 30,
+               overwrite: bool = False) -> None:
     """Writes a quantized target (``convert(target, True, qcfg)``) as a Hugging Face checkpoint in
     AMD Quark's MXFP4 layout: config.json from ``source`` plus Quark's ``quantization_config``,
     safetensors (sharded with an index past ``shard_bytes``), and the other files of ``source``
@@ -62,6 +61,9 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
 
     Projections left dense although ``qcfg`` does not exclude them (input width not a multiple of
     32) are added to the written ``exclude`` by name, so other engines read the same layout.
+
+    ``out`` must be new, empty or an earlier output of this writer (``WRITER``'s marker) unless ``overwrite``;
+    never ``source`` or a directory that holds it or lies in it (``atomic.check_replaceable``).
     """
     source, out = Path(source), Path(out)
     module = target.module()
@@ -85,10 +87,11 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
         shards[-1].append(key)
         size += a.nbytes
     # Whole or nothing: an interrupted write leaves the previous ``out`` as it was.
-    with atomic.directory_writer(out, replaces=_is_checkpoint, what="checkpoint", source=source) as tmp:
+    with atomic.directory_writer(out, writer=WRITER, overwrite=overwrite, what="checkpoint", source=source) as tmp:
         (tmp / "config.json").write_text(json.dumps(raw, indent=2))
         for f in source.iterdir():
-            if f.is_file() and f.name != "config.json" and not f.name.startswith("model"):
+            if f.is_file() and f.name not in ("config.json", atomic.MARKER, atomic.MANIFEST) and not f.name.startswith(
+                    "model"):
                 shutil.copy(f, tmp / f.name)
         if len(shards) == 1:
             checkpoint.write_safetensors(tmp / "model.safetensors", tensors, {"format": "pt"})
@@ -108,16 +111,16 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
 
 
 def quantize_checkpoint(model, out, *, exclude: tuple[str, ...] = (), input_scale_mode: str | None = None,
-                        dtype=None, progress: bool = True) -> list[str]:
+                        dtype=None, progress: bool = True, overwrite: bool = False) -> list[str]:
     """A dense Hugging Face checkpoint directory ``model`` -> an MXFP4 one at ``out`` in Quark's layout
     (readable by ``load_target`` and by other engines). Weights are quantized from their stored
     values (read as f32) with the OCP scale rule; ``exclude`` adds patterns to ``DEFAULT_EXCLUDE``;
     dense tensors are written in ``dtype`` (None: the checkpoint's own ``torch_dtype``/``dtype``,
-    else bfloat16). Returns the weight paths quantized."""
+    else bfloat16). ``out`` as ``save_quark`` takes it (checked first). Returns the weight paths quantized."""
 
     cfg_raw, source = read_config_json(model)
     # Refused now, not after the load and the quantization: the checks save_quark's write makes.
-    atomic.check_replaceable(out, replaces=_is_checkpoint, what="checkpoint", source=model)
+    atomic.check_replaceable(out, writer=WRITER, overwrite=overwrite, what="checkpoint", source=model)
     if cfg_raw.get("quantization_config") is not None:
         raise ConfigError(f"{source}: quantization_config is already set; quantize reads a dense checkpoint")
     if dtype is None:
@@ -129,5 +132,5 @@ def quantize_checkpoint(model, out, *, exclude: tuple[str, ...] = (), input_scal
     if quantized is None:
         raise ConfigError(f"quantize: nothing to quantize in {model}: every projection is excluded "
                           f"({', '.join(qcfg.exclude)}) or has an input width that is not a multiple of {BLOCK}")
-    save_quark(target, qcfg, model, out, dtype=dtype)
+    save_quark(target, qcfg, model, out, dtype=dtype, overwrite=overwrite)
     return quantized["quantized"]

@@ -382,22 +382,25 @@ def _spans(ids: list[int]) -> str:
     return ", ".join(spans[:5]) + (", ..." if len(spans) > 5 else "")
 
 
-def save_converted(target: Target, source: str | Path, path: str | Path) -> None:
+def save_converted(target: Target, source: str | Path, path: str | Path, *, overwrite: bool = False) -> None:
     """Writes a fast converted copy of a loaded target: its config.json (and tokenizer files) from
     ``source`` plus the parameters as an orbax checkpoint, restored bit-exactly by ``load_target``.
     The orbax tree holds the parameters as the model does: GDN channels head-grouped (``GatedDeltaNet``).
 
     The copy replaces ``path`` atomically (``atomic.directory_writer``: an interrupted write keeps the
-    previous copy, a concurrent second writer fails, a ``path`` that is or holds ``source`` is refused) and
-    carries a manifest of its files' checksums, verified on load."""
+    previous copy, a concurrent second writer fails, a ``path`` that is, holds or lies in ``source`` is refused,
+    and a non-empty directory that is not an earlier copy only with ``overwrite``) and carries a manifest of its
+    files' checksums, verified on load."""
     source = Path(source)
 
     def converted(p: Path) -> bool:  # an earlier copy (finished or not) may be replaced, a user's folder not
         return (p / CONVERTED).is_dir() or (p / atomic.MANIFEST).is_file()
 
-    with atomic.directory_writer(path, replaces=converted, what="converted copy", source=source) as tmp:
+    with atomic.directory_writer(path, replaces=converted, what="converted copy", source=source,
+                                 writer="dflash_jax save_converted", overwrite=overwrite) as tmp:
         for f in source.iterdir():
-            if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja"):
+            if f.is_file() and not f.name.startswith("model") and f.suffix in (".json", ".txt", ".model", ".jinja") \
+                    and f.name not in (atomic.MARKER, atomic.MANIFEST):
                 shutil.copy(f, tmp / f.name)
         checkpoint.save_orbax(tmp / CONVERTED / "params", target.params)
         meta = {"dtype": str(target.dtype), "mtp": target.module().mtp is not None,

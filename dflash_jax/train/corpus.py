@@ -52,10 +52,40 @@ def read_texts(files: list[Path]) -> Iterator[str]:
             continue
 
 
+def user_texts(path: str | Path, flag: str = "--corpus") -> list[str]:
+    """A corpus of one's own: a directory (every file under it, in sorted order, read as UTF-8; hidden files and
+    files that are not UTF-8 text are skipped) or a JSONL file with one ``{"text": ...}`` object per line (a
+    ``"prompt"`` string is taken too). Errors name ``flag`` and the file."""
+    from dflash_jax.decoding.runtime import read_jsonl
+
+    path = Path(path)
+    if path.is_dir():
+        files = [f for f in sorted(path.rglob("*")) if f.is_file()
+                 and not any(part.startswith(".") for part in f.relative_to(path).parts)]
+        texts = [t for t in read_texts(files) if t.strip()]
+        if not texts:
+            raise ValueError(f"{flag} {path}: no UTF-8 text files in the directory")
+        return texts
+    texts = []
+    for i, row in enumerate(read_jsonl(str(path), flag), 1):
+        text = row.get("text", row.get("prompt"))
+        if not isinstance(text, str):
+            raise ValueError(f'{flag} {path}: object {i} has no "text" string (keys: {sorted(row)[:5]})')
+        texts.append(text)
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"{flag} {path}: no texts in the file")
+    return texts
+
+
 def token_stream(tokenizer, files: list[Path], eos_id: int) -> np.ndarray:
     """All files tokenised and joined into one int32 stream, each file followed by EOS."""
+    return text_stream(tokenizer, list(read_texts(files)), eos_id)
+
+
+def text_stream(tokenizer, texts: list[str], eos_id: int) -> np.ndarray:
+    """Texts tokenised and joined into one int32 stream, each followed by EOS."""
     ids: list[int] = []
-    for enc in tokenizer.encode_batch(list(read_texts(files))):
+    for enc in tokenizer.encode_batch(texts):
         ids.extend(enc.ids)
         ids.append(eos_id)
     return np.asarray(ids, np.int32)

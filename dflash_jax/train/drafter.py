@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tqdm.auto import tqdm
 
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding.api import generate
@@ -61,22 +62,47 @@ def loss_weights(block_size: int, gamma: float | None = None) -> np.ndarray:
     return np.where(k >= 1, np.exp(-(k - 1) / gamma), 0.0).astype(np.float32)
 
 
-def regenerate(target: Target, prompts: np.ndarray, new_tokens: int, *, batch: int) -> np.ndarray:
+def check_data(seq_len: int, prompt_len: int, block_size: int, anchors: int) -> None:
+    """Refuses, before any work, data settings that leave no training block: ``anchors`` distinct anchor
+    positions must fit in [prompt_len - 1, seq_len - block_size] (see ``anchor_batches``)."""
+    for name, value, low in (("prompt length", prompt_len, 1), ("block size", block_size, 2), ("anchors", anchors, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"training settings: the {name} must be an integer >= {low}, got {value!r}")
+    room = seq_len - block_size - prompt_len + 2
+    if room < anchors:
+        raise ValueError(f"training settings: sequences of {seq_len} tokens with a {prompt_len}-token prompt leave "
+                         f"{max(room, 0)} anchor positions for blocks of {block_size}, fewer than {anchors} anchors "
+                         f"per sequence: lengthen the sequence or use fewer anchors or a smaller block")
+
+
+def regenerate(target: Target, prompts: np.ndarray, new_tokens: int, *, batch: int,
+               progress: bool = True) -> np.ndarray:
     """The target's greedy continuations: [N, P + new_tokens] = prompt ++ generated (no stop ids)."""
     rows = []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        out = generate(target, [list(p) for p in chunk], block_size=1, max_new_tokens=new_tokens, stop_ids=())
-        rows.append(np.concatenate([chunk, np.asarray(out.tokens)], axis=1))
+    with tqdm(total=len(prompts), unit="seq", disable=not progress, mininterval=1.0,
+              desc=f"data: the target continues {len(prompts)} snippets by {new_tokens} tokens") as bar:
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i:i + batch]
+            if i == 0:
+                bar.set_postfix_str("compiling")
+            out = generate(target, [list(p) for p in chunk], block_size=1, max_new_tokens=new_tokens, stop_ids=())
+            rows.append(np.concatenate([chunk, np.asarray(out.tokens)], axis=1))
+            bar.set_postfix_str("")
+            bar.update(len(chunk))
     return np.concatenate(rows).astype(np.int32)
 
 
 def compute_taps(target: Target, seqs: np.ndarray, taps: tuple[int, ...], *, batch: int = 16,
-                 hidden: bool = False) -> np.ndarray:
+                 hidden: bool = False, progress: bool = True) -> np.ndarray:
     """Frozen target features of whole sequences: taps [N, L, n*D] (or final-normed hidden [N, L, D])."""
     fn = jax.jit(lambda p, x: (lambda o: o.hidden if hidden else o.taps)(forward(target.graphdef, p, x, taps=taps)))
-    return np.concatenate([np.asarray(fn(target.params, jnp.asarray(seqs[i:i + batch])))
-                           for i in range(0, len(seqs), batch)])
+    out = []
+    with tqdm(total=len(seqs), unit="seq", disable=not progress, mininterval=1.0,
+              desc=f"data: the target's {'hidden states' if hidden else f'layers {list(taps)}'} per sequence") as bar:
+        for i in range(0, len(seqs), batch):
+            out.append(np.asarray(fn(target.params, jnp.asarray(seqs[i:i + batch]))))
+            bar.update(len(out[-1]))
+    return np.concatenate(out)
 
 
 def block_hidden(drafter: DFlashDrafter, taps: jax.Array, x: jax.Array, anchors: jax.Array) -> jax.Array:
@@ -149,6 +175,7 @@ def train_drafter(target: Target, cfg: DrafterConfig, seqs: np.ndarray, prompt_l
                   *, anchors: int, batch: int, seed: int = 0, ckpt_dir: str | Path | None = None,
                   log_file: str | Path | None = None) -> tuple[Drafter, loop.Result]:
     """Trains a fresh drafter on target-regenerated sequences [N, L] (the first prompt_len are the prompt)."""
+    check_data(seqs.shape[1], prompt_len, cfg.block_size, anchors)
     drafter = init_drafter(cfg, dtype=jnp.float32, seed=seed)
     taps = compute_taps(target, seqs, cfg.target_layer_ids)
     batches = anchor_batches(seqs, taps, prompt_len, block=cfg.block_size, anchors=anchors, batch=batch,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
 import shutil
 import time
@@ -39,6 +40,32 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: no checkpoints
     keep: int = 2  # checkpoints kept on disk
     log_every: int = 10
+
+    def __post_init__(self):
+        """Settings that cannot train anything (or train NaNs) are refused before any work."""
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(f"training settings: {msg}")
+
+        for name in ("steps", "log_every", "keep"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                 f"{name} must be an integer >= 1, got {value!r}")
+        need(isinstance(self.ckpt_every, int) and self.ckpt_every >= 0,
+             f"ckpt_every must be an integer >= 0 (0: no checkpoints), got {self.ckpt_every!r}")
+        need(_finite(self.lr) and self.lr > 0, f"the learning rate must be a finite number > 0, got {self.lr!r}")
+        need(_finite(self.warmup) and 0 <= self.warmup < 1, f"warmup must be a fraction in [0, 1), got {self.warmup!r}")
+        need(_finite(self.weight_decay) and self.weight_decay >= 0,
+             f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        need(_finite(self.clip) and self.clip > 0, f"clip must be a finite number > 0, got {self.clip!r}")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+class NonFiniteLoss(ValueError):
+    """The loss or the gradients became NaN or Inf: the run stopped before saving anything of that step."""
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -124,6 +151,15 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
         if sharded is not None:
             batch = jax.device_put(batch, sharded)
         state, metrics = step_fn(state, frozen, batch)
+        loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the update is then NaN: save nothing of it
+            bar.close()
+            kept = _ckpt_steps(ckpt_dir) if ckpt_dir is not None else []
+            last = f"the last good checkpoint, {ckpt_dir / f'step_{kept[-1]}'}, is kept" if kept else \
+                "no checkpoint was saved before it"
+            raise NonFiniteLoss(f"{desc}: the loss became {loss} (gradient norm {grad_norm}) at step {step + 1}; "
+                                f"training stopped and nothing of this step was saved ({last}). Lower the learning "
+                                f"rate (it was {cfg.lr}), or check the data")
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
             row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}, "seconds": round(time.time() - t0, 1)}
             history.append(row)

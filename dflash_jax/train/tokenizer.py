@@ -8,6 +8,7 @@ drafter's blocks are filled with.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,14 +20,21 @@ EOS, MASK = "<|endoftext|>", "<|mask|>"
 SPECIAL_TOKENS = (EOS, MASK)
 
 
-def train_tokenizer(files: list[Path], vocab_size: int = 4096) -> Tokenizer:
-    """Byte-level BPE (GPT-2 style pre-tokeniser, no prefix space); specials get ids 0 and 1."""
+MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet and the specials
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = 4096, *, texts: Iterable[str] | None = None) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokeniser, no prefix space) on ``files`` (or ``texts``); specials get ids
+    0 and 1."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
+        raise ValueError(f"vocab size {vocab_size!r} must be at least {MIN_VOCAB} (256 bytes and "
+                         f"{len(SPECIAL_TOKENS)} special tokens)")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus.read_texts(files), trainer=trainer)
+    tok.train_from_iterator(corpus.read_texts(files) if texts is None else texts, trainer=trainer)
     return tok
 
 

@@ -235,14 +235,19 @@ def test_directory_writer_refuses_an_output_that_holds_its_source(tmp_path, out)
     assert _tree(tmp_path / "parent") == before
 
 
-def test_directory_writer_beside_or_inside_its_source(tmp_path):
-    """An output next to the source, or inside it, leaves the source where it is: both are written."""
+def test_directory_writer_beside_but_never_inside_its_source(tmp_path):
+    """An output next to the source is written; one inside it is refused (a command never writes into the
+    model it reads), naming both paths, with nothing written."""
     src = _checkpoint(tmp_path / "parent")
-    for out in (tmp_path / "parent" / "out", src / "out", tmp_path / "parent" / "src2"):
+    for out in (tmp_path / "parent" / "out", tmp_path / "parent" / "src2"):
         with atomic.directory_writer(out, source=src) as tmp:
             (tmp / "a").write_text("1")
         assert _tree(out) == {"a": b"1"}
-    assert (src / "model.safetensors").read_bytes() == b"weights"
+    before = _tree(src)
+    with pytest.raises(atomic.WriteError, match=f"{src / 'out'} is inside the source checkpoint {src}"), \
+            atomic.directory_writer(src / "out", source=src) as tmp:
+        (tmp / "a").write_text("1")
+    assert _tree(src) == before and (src / "model.safetensors").read_bytes() == b"weights"
 
 
 @pytest.mark.parametrize("exchange", [True, False])
