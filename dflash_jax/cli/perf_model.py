@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("perf-model", help="bytes, FLOPs and projected tokens/s of a step at real shapes (HLO)",
                        description=perf_model.__doc__.split("\n")[0])
     p.add_argument("--shapes", default="27b,35b-a3b", help="comma-separated real shapes (synthetic.REAL_SHAPES)")
-    p.add_argument("--batches", type=cli_args.ints, default=[1, 32], help="comma-separated batch sizes")
+    p.add_argument("--batches", type=cli_args.ints, default="1,32", help="comma-separated batch sizes")
     p.add_argument("--block", type=int, default=16, help="DFlash block size")
     p.add_argument("--context", type=int, default=4096, help="tokens in the cache")
     p.add_argument("--tau", type=float, default=10.377, help="tokens per step (default: the report's 27B HumanEval "

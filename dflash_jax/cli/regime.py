@@ -48,8 +48,8 @@ def add_parser(sub) -> None:
                        description=regime.__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(regime.MINIATURES),
                    help=f"comma-separated miniature targets, of {', '.join(regime.MINIATURES)}")
-    p.add_argument("--taus", type=cli_args.ints, default=[6, 10], help="comma-separated fixed acceptance lengths")
-    p.add_argument("--blocks", type=cli_args.ints, default=[4, 6, 8, 16],
+    p.add_argument("--taus", type=cli_args.ints, default="6,10", help="comma-separated fixed acceptance lengths")
+    p.add_argument("--blocks", type=cli_args.ints, default="4,6,8,16",
                    help="comma-separated block sizes (6: the block that just holds tau 6)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per run")
     p.add_argument("--repeats", type=int, default=3, help="timed, interleaved repeats; figures are medians")

@@ -41,11 +41,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser("scaling", help="prefill time against prompt length, loop compile time against depth",
                        description=scaling.__doc__.split("\n")[0])
     p.add_argument("--prefill-model", default="shipped", help="shipped or a regime miniature (37m, 140m)")
-    p.add_argument("--lengths", type=cli_args.int_list, default=[128, 256, 512, 1024, 2048, 4096, 8192],
+    p.add_argument("--lengths", type=cli_args.int_list, default="128,256,512,1024,2048,4096,8192",
                    help="prefill: comma-separated prompt lengths ('' skips the prefill table)")
     p.add_argument("--repeats", type=int, default=3, help="prefill: timed repeats per length; figures are medians")
     p.add_argument("--shape", default="27b", help=f"compile: one of {', '.join(synthetic.REAL_SHAPES)}")
-    p.add_argument("--layers", type=cli_args.int_list, default=[4, 8, 16, 32, 64],
+    p.add_argument("--layers", type=cli_args.int_list, default="4,8,16,32,64",
                    help="compile: comma-separated target depths ('' skips the compile table)")
     p.add_argument("--json", metavar="OUT", help="also write both tables as JSON to OUT")
     p.set_defaults(func=cmd_scaling)

@@ -30,10 +30,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("sharding-report", help="collectives of one compiled decode step, sharded vs one device",
                        description=sharding_report.__doc__.split("\n")[0])
     p.add_argument("--config", default="27b", choices=tuple(synthetic.REAL_SHAPES), help="the real shape")
-    p.add_argument("--tp", type=cli_args.ints, default=[1, 8],
+    p.add_argument("--tp", type=cli_args.ints, default="1,8",
                    help="comma-separated tensor-parallel sizes to compare (1 = one device)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE)")
-    p.add_argument("--batch", type=cli_args.ints, default=[1], help="comma-separated batch sizes")
+    p.add_argument("--batch", type=cli_args.ints, default="1", help="comma-separated batch sizes")
     p.add_argument("--block", type=int, default=16, help="DFlash block (1 = plain decoding)")
     p.add_argument("--prompt", type=int, default=512, help="prompt bucket (the cache holds prompt + max-new)")
     p.add_argument("--max-new", type=int, default=256, help="tokens the cache has room to generate")

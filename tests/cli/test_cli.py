@@ -358,6 +358,15 @@ def test_help_shows_defaults_and_version(capsys):
     assert capsys.readouterr().out.startswith("dflash-jax ")
 
 
+
+def test_every_option_of_every_subcommand_has_help():
+    import argparse
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = {name: [a.dest for a in p._actions if not a.help] for name, p in sub.choices.items()}
+    assert {"generate", "ship", "gpu-check", "kernel-bench"} <= set(sub.choices)
+    assert not {name: dests for name, dests in missing.items() if dests}
+
 def test_no_import_cycle_between_cli_and_bench():
     import ast
     import inspect
