@@ -1,0 +1,129 @@
+"""The cost of one loop step per block size on this machine and batch, measured: ``--block-size auto``'s cost input.
+
+Sits in the measurement layer between the decoding core's choice (``decoding.blocksize``: pure, from
+acceptance and costs) and the front ends (``dflash-jax generate`` and ``bench``). For each candidate
+block it builds the loop of that block as every timed run does (``bench.method_loop``) and times
+``blocksize.run_steps`` (the loop's own init, then its step in a device loop) with 1 and with ``STEPS``
+steps: the difference over ``STEPS - 1`` is one step as the fused decode loop runs it, with prefill and
+every call's fixed cost (dispatch, argument handling, the wait) left out. Warm (each program runs
+untimed first: its compilation), interleaved (blocks in alternating order, round by round, so the
+machine's drift hits all alike), the median over ``REPEATS`` rounds. The timed runs step exactly as
+often as asked (a finished row's step does the same work), with no stop ids and room for
+``max(max_new_tokens, (STEPS + 1) * block)`` tokens.
+
+Where the drafter has no acceptance card the largest block's program, run once to its end, is the
+calibration too (its histogram of accepted drafts). Results are kept in memory per (model key, batch,
+backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing.
+What it costs: one compilation per candidate block (plus the runs: ~(1 + STEPS) x REPEATS steps each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.decoding import blocksize, runtime
+from dflash_jax.decoding.api import bucket_for, pad_prompts
+from dflash_jax.decoding.loop import SpecConfig
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.perf.bench import method_loop
+
+STEPS = 4  # steps in the long run; the short run has 1
+REPEATS = 3  # rounds; each block's cost is the median of its per-round differences
+_MEMO: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """Seconds per step (all rows) per block; the calibration histogram when one was asked for."""
+
+    costs: dict[int, float]
+    histogram: tuple[int, ...] | None
+    seconds: float  # wall time of the measurement, compilation included (0 when cached)
+    cached: bool = False
+
+
+def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
+    """``batch`` rows: the prompts cycled (as the bench fills a batch)."""
+    return [list(prompts[i % len(prompts)]) for i in range(batch)]
+
+
+def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, max_new_tokens: int,
+            sampling: SamplingConfig = SamplingConfig(), calibrate: bool = False, seed: int = 0, mesh=None,
+            steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter) -> StepCosts:
+    """Seconds per loop step at each of ``blocks`` for ``batch`` rows of ``prompts`` (see the module doc);
+    ``calibrate``: also the largest block's histogram of accepted drafts over a whole run."""
+    if steps < 2 or repeats < 1:
+        raise ValueError(f"steps must be >= 2 and repeats >= 1, got {steps} and {repeats}")
+    start = clock()
+    tokens, lengths = pad_prompts(rows_for(prompts, batch), bucket_for(max(len(p) for p in prompts)),
+                                  vocab_size=target.cfg.vocab_size)
+    programs = {}
+    for block in blocks:
+        method = runtime.AR if block == 1 else runtime.Method("dflash", block)
+        spec = SpecConfig(block_size=block, max_new_tokens=max(max_new_tokens, (steps + 1) * block),
+                          sampling=sampling, stop_ids=())
+        loop, params = method_loop(target, *runtime.proposer_for(method, target, drafter), spec, mesh)
+        programs[block] = (loop, params)
+
+    def run(block, n, until_done=False):
+        loop, params = programs[block]
+        return jax.block_until_ready(blocksize.run_steps(loop, params, tokens, lengths, seed, jnp.int32(n),
+                                                         jnp.bool_(until_done)))
+
+    histogram = None
+    for block in blocks:  # untimed: each program's compilation, and a warm run of the long count
+        run(block, 1)
+        run(block, steps)
+    if calibrate:
+        histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
+    diffs = {b: [] for b in blocks}
+    order = list(blocks)
+    for r in range(repeats):
+        for block in (order if r % 2 == 0 else order[::-1]):
+            times = {}
+            for n in (1, steps) if r % 2 == 0 else (steps, 1):
+                t0 = clock()
+                run(block, n)
+                times[n] = clock() - t0
+            diffs[block].append((times[steps] - times[1]) / (steps - 1))
+            if diffs[block][-1] <= 0:  # noise larger than the steps: the long run per step bounds it above
+                diffs[block][-1] = times[steps] / steps
+    costs = {b: statistics.median(d) for b, d in diffs.items()}
+    return StepCosts(costs=costs, histogram=histogram, seconds=clock() - start)
+
+
+def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_dir, max_new_tokens: int,
+           sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh=None,
+           blocks=None) -> tuple[blocksize.Choice, StepCosts]:
+    """The block ``auto`` picks for ``batch`` rows (``blocksize.choose_block``): acceptance from the card in
+    ``draft_dir`` (when it was recorded at this temperature) or calibrated here, costs measured here (or
+    remembered: ``key`` names the models, e.g. their folders and dtype)."""
+    blocks = tuple(blocks or blocksize.candidate_blocks(drafter.cfg.block_size))
+    card = blocksize.read_card(draft_dir) if draft_dir is not None else None
+    if card is not None and card.temperature != sampling.temperature:
+        card = None
+    memo_key = (key, batch, jax.default_backend(), blocks, sampling, bucket_for(max(len(p) for p in prompts)),
+                max_new_tokens, card is None)
+    if memo_key in _MEMO:
+        costs = dataclasses.replace(_MEMO[memo_key], seconds=0.0, cached=True)
+    else:
+        costs = measure(target, drafter, prompts, batch=batch, blocks=blocks, max_new_tokens=max_new_tokens,
+                        sampling=sampling, calibrate=card is None, seed=seed, mesh=mesh)
+        _MEMO[memo_key] = costs
+    if card is not None:
+        acceptance, source = card.acceptance, f"from {blocksize.CARD} ({card.prompts})"
+    elif not sum(costs.histogram):  # every row stopped at its first token: no evidence for any draft
+        acceptance, source = (0.0,) * (max(blocks) - 1), "unknown: the calibration run took no step"
+    else:
+        acceptance = blocksize.acceptance_from_histogram(costs.histogram)
+        source = f"calibrated on these prompts ({sum(costs.histogram)} steps at block {max(blocks)})"
+    timing = "remembered" if costs.cached else f"measured in {costs.seconds:.1f} s, {len(blocks)} programs compiled"
+    choice = blocksize.choose_block(acceptance[:max(blocks) - 1], costs.costs, batch=batch,
+                                    source=f"{source}; step costs {timing}")
+    return choice, costs

@@ -1,0 +1,95 @@
+"""``perf.step_cost``: the step's cost per block measured as the difference of a long and a short run, warm and
+interleaved; remembered per (models, batch, backend); the choice it feeds; the real program on a tiny pair."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.decoding import blocksize
+from dflash_jax.perf import step_cost
+
+
+class FakeDevice:
+    """``blocksize.run_steps`` on a fake clock: a call costs ``fixed`` + prefill + n steps of ``per_step[block]``,
+    and the first call of each block compiles (100 s)."""
+
+    def __init__(self, per_step, fixed=0.5, prefill=0.25):
+        self.now, self.per_step, self.fixed, self.prefill = 0.0, per_step, fixed, prefill
+        self.calls, self.compiled = [], set()
+
+    def clock(self):
+        return self.now
+
+    def run_steps(self, loop, params, tokens, lengths, rng, n, until_done):
+        block = loop.spec.block_size
+        self.calls.append((block, int(n), bool(until_done), tokens.shape[0]))
+        self.now += self.fixed + self.prefill + int(n) * self.per_step[block] + (100.0 if block not in
+                                                                                   self.compiled else 0.0)
+        self.compiled.add(block)
+        hist = np.zeros(block, np.int32)
+        hist[-1] = 3  # every draft accepted in 3 steps
+        hist[0] = 1
+        return jnp.asarray(hist), jnp.int32(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+    from dflash_jax.perf import regime, synthetic
+
+    target = synthetic.random_target(regime._hybrid(32, 4, 64, (2, 1, 16), (1, 2, 16)), dtype=jnp.float32)
+    return target, synthetic.random_drafter(regime._drafter(32, 4, (2, 1, 16), 64), target)
+
+
+def test_a_step_costs_the_difference_of_the_long_and_short_runs_without_compile_or_fixed_costs(tiny_pair,
+                                                                                                 monkeypatch):
+    target, drafter = tiny_pair
+    device = FakeDevice({1: 0.01, 4: 0.03, 16: 0.2})
+    monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
+    got = step_cost.measure(target, drafter, [[5, 6, 7]], batch=3, blocks=(1, 4, 16), max_new_tokens=8,
+                            calibrate=True, clock=device.clock)
+    assert got.costs == pytest.approx({1: 0.01, 4: 0.03, 16: 0.2})
+    assert got.histogram == (1,) + (0,) * 14 + (3,) and got.seconds == pytest.approx(device.now)
+    # every block warm before any timed run; the calibration runs the largest block until done; the timed runs
+    # alternate order round by round; every run has the batch's rows
+    warm = [(b, n) for b in (1, 4, 16) for n in (1, step_cost.STEPS)]
+    assert [c[:2] for c in device.calls[:6]] == warm and device.calls[6] == (16, 8, True, 3)
+    timed = [c[0] for c in device.calls[7:]]
+    assert timed[:6] == [1, 1, 4, 4, 16, 16] and timed[6:12] == [16, 16, 4, 4, 1, 1]
+    assert {c[3] for c in device.calls} == {3} and not any(c[2] for c in device.calls[7:])
+
+
+def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tmp_path):
+    """Batch 1 (the steps' cost flat in the block) and batch 32 (growing with it) choose different blocks from the
+    same card; the second choice for a batch measures nothing."""
+    target, drafter = tiny_pair
+    blocksize.write_card(tmp_path, blocksize.Card(block_size=16, histogram=(2,) * 4 + (1,) * 8 + (4,) * 4,
+                                                  temperature=0.0, prompts="p", max_new_tokens=8))
+    costs = {1: {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}, 32: {1: 1.0, 2: 1.4, 4: 2.2, 8: 3.8, 16: 7.0}}
+    measured = []
+
+    def fake_measure(target, drafter, prompts, *, batch, blocks, calibrate, **kw):
+        measured.append(batch)
+        assert blocks == (1, 2, 4, 8, 16) and not calibrate  # the card gives the acceptance
+        return step_cost.StepCosts(costs=costs[batch], histogram=None, seconds=3.0)
+
+    monkeypatch.setattr(step_cost, "measure", fake_measure)
+    kw = dict(key=("t", "d", "float32"), draft_dir=tmp_path, max_new_tokens=8)
+    one, _ = step_cost.choose(target, drafter, [[5, 6]], batch=1, **kw)
+    many, _ = step_cost.choose(target, drafter, [[5, 6]], batch=32, **kw)
+    assert one.block > many.block
+    card = blocksize.read_card(tmp_path)
+    assert one == blocksize.choose_block(card.acceptance, costs[1], batch=1, source=one.source)
+    assert "from acceptance.json (p); step costs measured in 3.0 s, 5 programs compiled" in one.reason()
+    again, c = step_cost.choose(target, drafter, [[5, 6]], batch=1, **kw)
+    assert measured == [1, 32] and c.cached and again.block == one.block and "remembered" in again.reason()
+
+
+@pytest.mark.slow
+def test_the_real_program_times_each_block_and_calibrates(tiny_pair):
+    target, drafter = tiny_pair
+    got = step_cost.measure(target, drafter, [[5, 6, 7], [8, 9]], batch=2, blocks=(1, 4), max_new_tokens=8,
+                            calibrate=True, repeats=1)
+    assert set(got.costs) == {1, 4} and all(c > 0 for c in got.costs.values())
+    assert len(got.histogram) == 4 and sum(got.histogram) > 0
