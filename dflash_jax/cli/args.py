@@ -158,9 +158,10 @@ def check_outputs(args) -> None:
             raise ValueError(f"--out {outputs['--out']} and --ckpt-dir {outputs['--ckpt-dir']} overlap (one is, holds "
                              "or lies in the other): the finished output would replace the checkpoints, or the "
                              "reverse; give separate directories")
-    for flag, path in outputs.items():
-        atomic.claim_directory(path, writer=f"dflash-jax {args.command}", flag=flag,
-                               overwrite=getattr(args, "overwrite", False), sources=inputs)
+    for create in (False, True):  # every output checked before any is created
+        for flag, path in outputs.items():
+            atomic.claim_directory(path, writer=f"dflash-jax {args.command}", flag=flag, create=create,
+                                   overwrite=getattr(args, "overwrite", False), sources=inputs)
     if getattr(args, "ckpt_dir", None) is not None and args.ckpt_every < 1:
         raise ValueError(f"--ckpt-every {args.ckpt_every} with --ckpt-dir would never save a checkpoint; "
                          f"give a step interval >= 1")

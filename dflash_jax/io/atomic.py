@@ -168,11 +168,11 @@ def _check_sources(given: Path, path: Path, sources, name: str) -> None:
 
 
 def claim_directory(path: str | Path, *, writer: str, flag: str = "--out", overwrite: bool = False,
-                    sources=()) -> Path:
+                    sources=(), create: bool = True) -> Path:
     """An output directory a command fills file by file (results, plots, training checkpoints): created and marked
     as ``writer``'s when new or empty; an existing one only if ``writer`` marked it (a rerun) or with ``overwrite``.
     Never one that is, holds or is inside a checkpoint in ``sources``. Refusals (``WriteError``) name the flag and
-    both paths; nothing is written then."""
+    both paths; nothing is written then (nor ever with ``create`` false: the checks alone)."""
     given, real = Path(path).absolute(), _resolved(path)
     _check_sources(given, real, sources, f"{flag} {given}")
     if real.exists() and not real.is_dir():
@@ -180,6 +180,8 @@ def claim_directory(path: str | Path, *, writer: str, flag: str = "--out", overw
     if real.is_dir() and any(real.iterdir()) and written_by(real) != writer and not overwrite:
         raise WriteError(f"{flag} {given}: a non-empty directory that {writer} did not write ({_marked(real)}); "
                          "refusing to write into it: give a new or empty directory, or --overwrite")
+    if not create:
+        return real
     check_writable(real, flag)
     if written_by(real) != writer:
         mark(real, writer)

@@ -337,10 +337,10 @@ def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     blocked = str(tmp_path / "file" / "sub")
     err = _error(capsys, ["train-tokenizer", "--out", blocked])
     assert f"--out {blocked}: not writable" in err
-    err = _error(capsys, ["train-target", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"),
-                          "--ckpt-dir", blocked])
+    tok = str(tmp_path / "tok")  # beside the outputs: an output never lies in an input
+    err = _error(capsys, ["train-target", "--tokenizer", tok, "--out", str(tmp_path / "o"), "--ckpt-dir", blocked])
     assert f"--ckpt-dir {blocked}: not writable" in err
-    err = _error(capsys, ["train-target", "--tokenizer", str(tmp_path), "--out", str(tmp_path / "o"),
+    err = _error(capsys, ["train-target", "--tokenizer", tok, "--out", str(tmp_path / "o"),
                           "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "0"])
     assert "--ckpt-every 0 with --ckpt-dir would never save a checkpoint" in err
 
