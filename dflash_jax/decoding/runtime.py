@@ -178,9 +178,13 @@ def _jsonl_rows(path: str, flag: str):
         file, where = Path(path), f"{flag} {path}"
         if file.is_dir():
             raise ValueError(f"{where}: is a directory, not a JSONL file")
-        if not file.is_file():
+        if not file.exists():  # a FIFO or <(...) (/dev/fd/N) is read like a file
             raise ValueError(f"{where}: does not exist")
-        data = file.read_bytes()
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it ({e.strerror or e})") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors write one)
     for i, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
