@@ -9,6 +9,7 @@ Python (``stream``, for front ends that print as they go).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator
 
 import jax
@@ -19,17 +20,42 @@ from dflash_jax import parallel
 from dflash_jax.decoding.loop import FinishReason, GenerateOutput, SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, Proposer
 from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+
+INT32_MAX = int(np.iinfo(np.int32).max)  # token ids run as int32: a larger one would wrap (2**32 + 5 -> 5)
 
 
 def _check_token_ids(row, b: int, vocab_size: int | None) -> None:
     if row.ndim != 1 or (row.size and row.dtype.kind not in "iu"):
-        raise ValueError(f"prompt {b}: token ids must be a flat list of integers, got dtype {row.dtype}, "
-                         f"shape {row.shape}")
-    if vocab_size is not None and row.size:
-        bad = row[(row < 0) | (row >= vocab_size)]
+        big = row.dtype == object and all(isinstance(i, numbers.Integral) for i in row.reshape(-1))
+        raise ValueError(f"prompt {b}: token ids must be a flat list of integers"
+                         + (" in int32 (0 .. 2**31 - 1)" if big else f", got dtype {row.dtype}, shape {row.shape}"))
+    if row.size:
+        if vocab_size is not None:
+            bad = row[(row < 0) | (row >= vocab_size)]
+            if bad.size:
+                raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        bad = row[(row < 0) | (row > INT32_MAX)]
         if bad.size:
-            raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"prompt {b}: token id {int(bad[0])} is outside int32 [0, 2**31 - 1] (token ids run as "
+                             "int32 and would wrap)")
+
+
+def _token_rows(prompts) -> list[np.ndarray]:
+    """Each prompt as a 1-D array; a clear error for text, a flat list of ids, or a prompt that is not a list."""
+    if isinstance(prompts, str | bytes | numbers.Number) or not hasattr(prompts, "__iter__"):
+        raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    rows = []
+    for b, p in enumerate(prompts):
+        if isinstance(p, str | bytes):
+            raise ValueError(f"prompt {b} is text ({p[:30]!r}): prompts are token ids; encode the text with the "
+                             "target's tokenizer first")
+        if isinstance(p, numbers.Number) or np.ndim(p) == 0:
+            raise ValueError(f"prompts must be a list of token-id lists, but prompt {b} is the single value {p!r}: "
+                             "for one prompt pass [ids], not ids")
+        rows.append(np.asarray(list(p)))
+    return rows
 
 
 def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
@@ -85,7 +111,7 @@ def pad_prompts(prompts, bucket: int | None = None, *,
 
     Token ids must be integers, in [0, vocab_size) when it is given.
     """
-    rows = [np.asarray(list(p)) for p in prompts]
+    rows = _token_rows(prompts)
     if len(rows) == 0:
         raise ValueError("no prompts given")
     for b, row in enumerate(rows):
@@ -123,10 +149,35 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
     if block == 1:
         proposer, pparams = NoProposer(), ()
-    rows = [list(p) for p in prompts]
+    rows = _token_rows(prompts)
     tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)))
     loop = SpeculativeLoop.of(target, proposer, spec, mesh)
     return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
+
+
+def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng) -> None:
+    """The arguments of ``generate`` / ``stream``, checked before anything is traced: a clear ValueError naming the
+    argument instead of an error from deep inside JAX."""
+    if not isinstance(target, Target):
+        raise ValueError(f"target must be a Target (models.target.load_target), got {type(target).__name__}")
+    if isinstance(drafter, Target):
+        raise ValueError("drafter= got a Target: pass a DFlash Drafter (models.drafter.load_drafter), or "
+                         "(MTPProposer.of(target, k), mtp_params(target)) for MTP, or None for plain decoding")
+    if drafter is not None and not isinstance(drafter, Drafter) and not (
+            isinstance(drafter, tuple) and len(drafter) == 2 and hasattr(drafter[0], "max_block")):
+        raise ValueError(f"drafter must be a Drafter, a (proposer, proposer params) pair or None, got "
+                         f"{type(drafter).__name__}")
+    if not isinstance(sampling, SamplingConfig):
+        raise ValueError(f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, top_p=0.9)), got "
+                         f"{type(sampling).__name__} {sampling!r}"[:300])
+    for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(rng, bool) or not (isinstance(rng, numbers.Integral) or hasattr(rng, "dtype")):
+        raise ValueError(f"rng must be an int seed or a jax.random key (or a [B] batch of keys), got "
+                         f"{type(rng).__name__} {rng!r}"[:200])
+    if isinstance(rng, numbers.Integral) and not -(2**31) <= rng <= INT32_MAX:
+        raise ValueError(f"rng seed {rng} is outside int32 (seeds become int32 keys)")
 
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
@@ -139,6 +190,7 @@ def generate(target: Target, prompts, *, drafter=None, block_size: int | None = 
     defaults to the drafter's. With a ``mesh`` the run is sharded (see ``make_generate``); across
     processes the output's rows are spread over them (``parallel.host`` gathers them).
     """
+    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng)
     loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
                                            mesh)
     return loop.run(params, tokens, lengths, rng)
@@ -152,6 +204,7 @@ def stream(target: Target, prompts, *, drafter=None, block_size: int | None = No
     The host drives the same jitted step the on-device loop runs, so the tokens are identical.
     The generator's return value (``StopIteration.value``) is the final ``GenerateOutput``.
     """
+    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng)
     loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
                                            mesh)
     state = loop.init(params, tokens, lengths, rng)

@@ -28,6 +28,7 @@ from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels import dispatch
 from dflash_jax.models.layers import MLP, Linear, RMSNorm, SplitModel, attention
 from dflash_jax.models.rope import rotate, rows, table
+from dflash_jax.models.target import param_dtype
 
 
 def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
@@ -240,7 +241,7 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
     path = Path(path)
     cfg = DrafterConfig.from_pretrained(path)
     check_fits(cfg, target.cfg)
-    dtype = target.dtype if dtype is None else dtype
+    dtype = target.dtype if dtype is None else param_dtype(dtype)
     kernels = target.kernels if kernels is None else kernels
     model = nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0)))
     # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.

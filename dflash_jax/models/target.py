@@ -271,6 +271,25 @@ class Target(SplitModel):
         return commit(cache, n)
 
 
+PARAM_DTYPES = ("float32", "bfloat16")
+
+
+def param_dtype(dtype, what: str = "dtype"):
+    """``dtype`` as a jnp dtype if parameters can be held in it (float32, bfloat16), else a ValueError saying why."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        raise ValueError(f"{what} {dtype!r} is not a dtype; expected one of {PARAM_DTYPES}") from None
+    if name == "float16":
+        raise ValueError(f"{what} float16 is not supported: Qwen3.5's activations exceed float16's range (max 65504) "
+                         "and would turn to inf; use bfloat16 (the same size, float32's range) or float32")
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"{what} {name} is not supported for parameters; expected one of {PARAM_DTYPES}"
+                         + (" (MXFP4 weights: load an MXFP4 checkpoint or pass quantized=True)"
+                            if jnp.issubdtype(name, jnp.integer) else ""))
+    return jnp.dtype(name)
+
+
 def _abstract_model(cfg: TargetConfig, dtype, mtp: bool, kernels: str | None):
     """The model with ShapeDtypeStructs for parameters, built in time linear in the layer count: one trace of
     the whole model grows quadratically (every traced RNG draw walks the trace so far), so the shell (embedding,
@@ -315,6 +334,10 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         An MXFP4 checkpoint is AMD Quark's layout (``quantization_config``, see quant.py).
     """
     path = Path(path)
+    dtype = param_dtype(dtype)
+    if path.is_file():
+        raise ValueError(f"{path} is a file; a checkpoint is the directory holding config.json and the safetensors "
+                         f"(here {path.parent})")
     converted = (path / CONVERTED).is_dir()
     if converted:
         checkpoint.verify(path, "conversion")  # before anything in it is read
