@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 DRAFT_MODES = ("greedy", "sampled")
+# The smallest sampling temperature: logits / T stays finite in float32 (max 3.4e38) for logits up to 3e8, far
+# beyond any model's; below ~3e-39, 1/T alone overflows and every sampled row would end non-finite.
+MIN_TEMPERATURE = 1e-30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class SamplingConfig:
             object.__setattr__(self, name, float(value))  # numpy scalars too: equal settings hash alike
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / T would overflow float32 to inf (NaN probabilities)
+            raise ValueError(f"temperature {self.temperature} is too small: logits / temperature overflows float32; "
+                             f"use 0 for greedy decoding or a temperature >= {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool) or self.top_k < 0:
