@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         quantize,
         regime,
         scaling,
+        serve,
         sharding_report,
         ship,
         step_profile,
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in (generate, bench, quantize, train):
+    for command in (generate, serve, bench, quantize, train):
         command.add_parser(sub)
     # then the developer tools: the shipped models' pipeline, the performance measurements and reports
     for tool in (ship, perf_model, regime, scaling, step_profile, quant_report, sharding_report, kernel_report,

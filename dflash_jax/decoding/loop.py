@@ -34,7 +34,7 @@ from flax import nnx
 from dflash_jax import parallel
 from dflash_jax.config import TargetConfig
 from dflash_jax.decoding.proposers import NoProposer, Proposer, TargetView
-from dflash_jax.decoding.sampling import SamplingConfig, accept, choose
+from dflash_jax.decoding.sampling import RowSampling, SamplingConfig, accept, choose
 from dflash_jax.models.cache import TargetCache, init_cache
 from dflash_jax.models.target import Target, TargetOutput, commit, prefill, verify
 
@@ -95,6 +95,7 @@ class LoopState:
     step: jax.Array  # [] loop iteration
     steps: jax.Array  # [B] target steps each row took part in
     accepted: jax.Array  # [B, block] histogram of accepted drafts per step
+    rows: RowSampling | None = None  # per-row sampling settings (init's ``rows``); None: the spec's
 
 
 @jax.tree_util.register_dataclass
@@ -292,7 +293,12 @@ class SpeculativeLoop:
         capacity = state.cache.rope.shape[0]  # the position table [S, 2, R/2]
         self._check_held(state.anchor.shape[0], capacity, (state.cache, state.proposer), device)
 
-    def _finite(self, logits, chosen):
+    def _rules(self, state: LoopState | None = None, rows: RowSampling | None = None):
+        """The sampling rules of a state's rows: its ``RowSampling``, else the spec's ``SamplingConfig``."""
+        rows = rows if state is None else state.rows
+        return self.spec.sampling if rows is None else rows
+
+    def _finite(self, logits, chosen, rules):
         """Logits [..., V] -> [...] True where their peak after the temperature is finite: the rules' choice
         from them is then well defined (a NaN anywhere, a +inf or all -inf is not; -inf beside a finite peak
         is a token of probability 0). ``chosen`` [...]: the tokens the rules chose from these logits.
@@ -300,14 +306,18 @@ class SpeculativeLoop:
         Greedy reads one logit per position: the chosen token is the argmax, and argmax returns a NaN's
         index, so its logit is the peak. Sampling takes the max over V (beside the several passes over V
         that its rules make)."""
-        t = self.spec.sampling.temperature
-        if t == 0:
-            return jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
-        return jnp.isfinite(jnp.max(logits, axis=-1).astype(jnp.float32) / t)  # max(x) / t = max(x / t), t > 0
+        greedy = lambda: jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
+        if isinstance(rules, RowSampling):  # max(x) / t = max(x / t), t > 0; greedy rows as greedy
+            t = rules.rows(chosen, "temperature")
+            return jnp.where(t == 0, greedy(), jnp.isfinite(jnp.max(logits, axis=-1).astype(jnp.float32) / t))
+        if rules.temperature == 0:
+            return greedy()
+        return jnp.isfinite(jnp.max(logits, axis=-1).astype(jnp.float32) / rules.temperature)
 
     @_phase()
-    def init(self, params, prompts, prompt_lens, rng) -> LoopState:
-        """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token."""
+    def init(self, params, prompts, prompt_lens, rng, rows: RowSampling | None = None) -> LoopState:
+        """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token;
+        ``rows``: per-row sampling settings in place of the spec's (drafts are then the drafter's argmax)."""
         tparams, pparams = params
         prompts, prompt_lens = prompts.astype(jnp.int32), prompt_lens.astype(jnp.int32)
         B, P = prompts.shape
@@ -316,11 +326,12 @@ class SpeculativeLoop:
         keys = _row_keys(rng, B)
         out, cache = prefill(self.graphdef, tparams, prompts, prompt_lens, capacity=capacity,
                              taps=self.proposer.taps)
-        first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), self.spec.sampling)
+        rules = self._rules(rows=rows)
+        first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), rules)
         state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
                                    prompt_lens=prompt_lens, capacity=capacity)
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
-        finite = self._finite(out.logits, first)
+        finite = self._finite(out.logits, first, rules)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
                            jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
         return self._pin(LoopState(
@@ -329,7 +340,7 @@ class SpeculativeLoop:
             n_out=finite.astype(jnp.int32),
             finish=jnp.where(finite, finish, FinishReason.NONFINITE).astype(jnp.int32), keys=keys,
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
-            accepted=jnp.zeros((B, block), jnp.int32)))
+            accepted=jnp.zeros((B, block), jnp.int32), rows=rows))
 
     def _pin(self, state, batch: int | None = None):
         """A loop state (or a proposer's state of ``batch`` rows) in its mesh layout (no-op without a mesh),
@@ -341,7 +352,8 @@ class SpeculativeLoop:
     def draft(self, params, state: LoopState) -> Draft:
         """Phase 1: the proposer's k = block_size - 1 drafts after each row's anchor."""
         tparams, pparams = params
-        keys = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, state.step)))(state.keys)  # [B, 2]
+        # Each row's keys follow its own step count: its stream does not depend on when it joined a batch.
+        keys = jax.vmap(lambda key, t: jax.random.split(jax.random.fold_in(key, t)))(state.keys, state.steps)
         tokens, q, pstate = self.proposer.propose(
             params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
             k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
@@ -360,12 +372,13 @@ class SpeculativeLoop:
         tparams, pparams = params
         k, max_new = self.spec.block_size - 1, self.spec.max_new_tokens
         s, logits = state, verified.out.logits
-        a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, self.spec.sampling)
+        rules = self._rules(state)
+        a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, rules)
         # Emitted this step: d_1 .. d_a, then the bonus at index a; token j is decided by the logits at j.
         # Cut after a stop id, at max_new_tokens, and before the first non-finite logits the rules read.
         j = jnp.arange(k + 1)[None, :]
         emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])  # [B, k+1]
-        bad = ~self._finite(logits, emitted) & (j <= a[:, None])  # [B, k+1]; the rules chose emitted[:, :a+1]
+        bad = ~self._finite(logits, emitted, rules) & (j <= a[:, None])  # [B, k+1]; the rules chose emitted[:, :a+1]
         first_bad = jnp.where(bad.any(1), jnp.argmax(bad, axis=1), k + 1)
         active = s.finish == FinishReason.RUNNING
         is_stop = jnp.isin(emitted, jnp.asarray(self.stop_ids)) & (j <= a[:, None])
@@ -384,7 +397,7 @@ class SpeculativeLoop:
             cache=commit(verified.cache, n), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
-            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None]))))
+            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None])), rows=s.rows))
 
     @_phase(donate_argnames="state")
     def step(self, params, state: LoopState) -> LoopState:
@@ -401,6 +414,21 @@ class SpeculativeLoop:
         state = jax.lax.while_loop(lambda s: jnp.any(s.finish == FinishReason.RUNNING),
                                    functools.partial(self.step, params), state)
         return self.output(state), state
+
+    @_phase(donate_argnames="state")
+    def insert(self, state: LoopState, row: LoopState, slot) -> LoopState:
+        """``row`` (a one-row ``init`` state of this loop, with its ``capacity``) written into row ``slot`` of
+        ``state``, which is donated: how a server starts a request in a free slot between steps. Every array
+        whose leading dimension is the batch is a row's (as ``parallel.state_shardings`` reads a state);
+        the rest (the RoPE tables, the step counter) is the state's own."""
+        B = state.anchor.shape[0]
+
+        def put(rows, one):
+            if rows.ndim and rows.shape[0] == B and one.shape == (1,) + rows.shape[1:]:
+                return jax.lax.dynamic_update_slice_in_dim(rows, one, slot, axis=0)
+            return rows
+
+        return self._pin(jax.tree.map(put, state, row))
 
     @_phase()
     def output(self, state: LoopState) -> GenerateOutput:

@@ -1,12 +1,14 @@
 """Token sampling and the lossless acceptance rules of speculative decoding.
 
-Sits between the models (which produce logits) and the loop in ``speculative.py``. The same
+Sits between the models (which produce logits) and the loop in ``decoding/loop.py``. The same
 temperature / top-k / top-p transform turns target logits into p and draft logits into q, so the
 acceptance rule sees the distributions the user asked for. Greedy (temperature 0) accepts the
 longest prefix of drafts that equal the target's argmax. Sampling accepts draft d with probability
 min(1, p(d) / q(d)) and, at the first rejection, draws from the residual max(p - q, 0); with greedy
 drafts q is one-hot, so d is accepted with probability p(d) and the residual is p without d. Either
-way every emitted token has exactly the target's distribution.
+way every emitted token has exactly the target's distribution. ``RowSampling`` carries these settings
+per row (a server's requests each bring their own) as arrays in the loop's state; its drafts are the
+drafter's argmax, so the sampled rows accept with the one-hot rule.
 """
 
 from __future__ import annotations
@@ -61,6 +63,28 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """``SamplingConfig``'s settings per row, as arrays (traced: any mix of rows runs one program)."""
+
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_k: jax.Array  # [B] int32, 0 = off
+    top_p: jax.Array  # [B] f32, 1 = off
+
+    @classmethod
+    def of(cls, configs) -> RowSampling:
+        """The rows of a sequence of ``SamplingConfig`` (their draft modes are not used: drafts are greedy)."""
+        return cls(temperature=jnp.asarray([c.temperature for c in configs], jnp.float32),
+                   top_k=jnp.asarray([c.top_k for c in configs], jnp.int32),
+                   top_p=jnp.asarray([c.top_p for c in configs], jnp.float32))
+
+    def rows(self, x: jax.Array, name: str) -> jax.Array:
+        """Setting ``name`` [B] broadcast against x [B, ...]."""
+        value = getattr(self, name)
+        return value.reshape(value.shape + (1,) * (x.ndim - 1))
+
+
 def argmax(x: jax.Array) -> jax.Array:
     """``jnp.argmax(x, axis=-1)`` as int32 (the first NaN's index if there is one, else the first
     peak's), from two plain reductions: XLA's CPU argmax is a serial (value, index) reduction, ~6x
@@ -76,8 +100,10 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.where(rank >= V, rank - V, rank)
 
 
-def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def probs(logits: jax.Array, cfg: SamplingConfig | RowSampling) -> jax.Array:
     """Sampling distribution [..., V] (f32) after temperature, top-k and top-p."""
+    if isinstance(cfg, RowSampling):
+        return _row_probs(logits, cfg)
     x = logits.astype(jnp.float32) / cfg.temperature
     if cfg.top_k:
         kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
@@ -92,15 +118,33 @@ def probs(logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     return jax.nn.softmax(x, axis=-1)
 
 
+def _row_probs(logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """``probs`` with per-row settings, logits [B, ..., V]: the cut-offs read from one descending sort
+    (greedy rows divide by 1; their choice is the argmax, made elsewhere)."""
+    t = rows.rows(logits, "temperature")
+    x = logits.astype(jnp.float32) / jnp.where(t > 0, t, 1.0)
+    desc = -jnp.sort(-x, axis=-1)
+    k = rows.rows(logits, "top_k")
+    kth = jnp.take_along_axis(desc, jnp.broadcast_to(jnp.maximum(k - 1, 0), x.shape[:-1] + (1,)), axis=-1)
+    kth = jnp.where(k > 0, kth, -jnp.inf)
+    desc = jnp.where(desc < kth, -jnp.inf, desc)
+    sorted_p = jax.nn.softmax(desc, axis=-1)
+    top_p = rows.rows(logits, "top_p")
+    keep = (jnp.cumsum(sorted_p, axis=-1) - sorted_p < top_p) | (top_p >= 1)  # 1: off, as SamplingConfig's
+    floor = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # the smallest kept value
+    return jax.nn.softmax(jnp.where((x < kth) | (x < floor), -jnp.inf, x), axis=-1)
+
+
 def _categorical(key, p):
     return jax.random.categorical(key, jnp.log(p), axis=-1)
 
 
-def choose(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig) -> jax.Array:
+def choose(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig | RowSampling) -> jax.Array:
     """One token per row from logits [B, V] with per-row keys [B] -> [B] int32."""
-    if cfg.greedy:
+    if isinstance(cfg, SamplingConfig) and cfg.greedy:
         return argmax(logits)
-    return jax.vmap(_categorical)(keys, probs(logits, cfg)).astype(jnp.int32)
+    sampled = jax.vmap(_categorical)(keys, probs(logits, cfg)).astype(jnp.int32)
+    return jnp.where(cfg.temperature == 0, argmax(logits), sampled) if isinstance(cfg, RowSampling) else sampled
 
 
 def draft_tokens(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
@@ -113,7 +157,7 @@ def draft_tokens(logits: jax.Array, keys: jax.Array, cfg: SamplingConfig):
 
 
 def accept(drafts: jax.Array, draft_probs: jax.Array | None, target_logits: jax.Array, keys: jax.Array,
-           cfg: SamplingConfig):
+           cfg: SamplingConfig | RowSampling):
     """Decides how many drafts to keep and the token that follows them.
 
     Args:
@@ -123,11 +167,25 @@ def accept(drafts: jax.Array, draft_probs: jax.Array | None, target_logits: jax.
     Returns:
       (a [B] accepted drafts in 0..k, bonus [B]: the token at position a).
     """
-    B, k = drafts.shape
+    if isinstance(cfg, RowSampling):  # both rules, each row's chosen (its drafts are greedy: q one-hot)
+        greedy, sampled = _accept_greedy(drafts, target_logits), _accept_sampled(drafts, None, target_logits, keys, cfg)
+        return tuple(jnp.where(cfg.temperature == 0, g, s) for g, s in zip(greedy, sampled, strict=True))
     if cfg.greedy:
-        best = argmax(target_logits)  # [B, k+1]
-        a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1).astype(jnp.int32)
-        return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
+        return _accept_greedy(drafts, target_logits)
+    return _accept_sampled(drafts, draft_probs, target_logits, keys, cfg)
+
+
+def _accept_greedy(drafts, target_logits):
+    """``accept`` at temperature 0: the longest prefix of drafts equal to the target's argmax."""
+    k = drafts.shape[1]
+    best = argmax(target_logits)  # [B, k+1]
+    a = jnp.sum(jnp.cumprod(drafts == best[:, :k], axis=1), axis=1).astype(jnp.int32)
+    return a, jnp.take_along_axis(best, a[:, None], axis=1)[:, 0]
+
+
+def _accept_sampled(drafts, draft_probs, target_logits, keys, cfg):
+    """``accept`` when sampling: draft d kept with probability min(1, p(d) / q(d)), then the residual."""
+    k = drafts.shape[1]
     p = probs(target_logits, cfg)  # [B, k+1, V]
     q = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype) if draft_probs is None else draft_probs
     u_keys, r_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)

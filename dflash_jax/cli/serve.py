@@ -1,0 +1,140 @@
+"""``dflash-jax serve``: the OpenAI-compatible server's command line (flags as vLLM's ``serve``).
+
+Checks the flags and the model configs before any weight loads (the method as ``generate`` chooses it:
+``--speculative-config``, ``--draft-model``, ``--block-size``), loads the target and proposer through
+``runtime.py``, builds the engine (``serve/engine.py``) over ``--max-num-seqs`` slots of
+``--max-model-len`` tokens, compiles its programs, and serves the app (``serve/app.py``) with uvicorn on
+``--host``/``--port`` until SIGINT or SIGTERM: then it stops taking connections, finishes the requests
+in flight, and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import jax
+
+from dflash_jax import parallel
+from dflash_jax.cli import args as cli_args
+from dflash_jax.config import DrafterConfig, read_target_config
+from dflash_jax.decoding import runtime
+
+log = logging.getLogger("dflash_jax.serve")
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def _settings(args):
+    """(model dir, draft dir, method, max_model_len, target config): every check that needs no weights."""
+    from dflash_jax.cli.generate import method_from_flags, parse_speculative_config
+
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
+    draft_flag = args.draft_model
+    if spec is not None and spec.get("model"):
+        if args.draft_model and spec["model"] != args.draft_model:
+            raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
+                             f"{spec['model']}")
+        draft_flag = spec["model"]
+    if args.block_size is not None and args.block_size < 1:
+        raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
+    for flag in ("max_num_seqs", "max_queue_len", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
+    cfg, _ = read_target_config(model_dir)
+    draft_block = None
+    if draft_dir is not None:
+        draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
+    method = method_from_flags(args, spec, draft_block)
+    if method.kind == "dflash" and method.block > draft_block:
+        raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
+                         f"size {draft_block} ({draft_dir})")
+    if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
+        raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none")
+    limit = cfg.max_position_embeddings
+    max_len = args.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+    if max_len > limit:
+        raise ValueError(f"--max-model-len {max_len} exceeds the target's max_position_embeddings {limit} "
+                         f"({model_dir})")
+    if max_len < 2:
+        raise ValueError(f"--max-model-len {max_len}: a request needs at least one prompt and one new token")
+    return model_dir, draft_dir, method, max_len, cfg
+
+
+def build(args, mesh=None):
+    """(Served, the app) for the flags: models loaded, the engine built (and compiled unless --no-warmup)."""
+    from dflash_jax.decoding.loop import SpeculativeLoop
+    from dflash_jax.serve.app import Served, create_app
+    from dflash_jax.serve.engine import Engine, spec_for
+
+    model_dir, draft_dir, method, max_len, cfg = _settings(args)
+    dtype = args.dtype or runtime.default_dtype()
+    target, drafter = runtime.load_models(model_dir, draft_dir, [method], dtype=runtime.DTYPES[dtype],
+                                          progress=False, mesh=mesh)
+    if method.kind == "mtp" and not runtime.has_mtp(target):
+        raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {model_dir} has none")
+    tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
+                    "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
+    proposer, pparams = runtime.proposer_for(method, target, drafter)
+    loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len), mesh)
+    params = (target.params, pparams)
+    if mesh is not None:
+        params = parallel.shard_params(params, mesh, target.cfg, proposer)
+    engine = Engine(loop, params, slots=args.max_num_seqs, max_model_len=max_len,
+                    max_queue=args.max_queue_len or 4 * args.max_num_seqs)
+    log.info("serving %s (%s, block %d) with %d slots of %d tokens on %s", model_dir, method.name, method.block,
+             args.max_num_seqs, max_len, jax.default_backend())
+    if not args.no_warmup:
+        log.info("compiling prefill (buckets %s), insert and step ...", engine.buckets())
+        engine.warmup()
+    served = Served(engine=engine, tokenizer=tokenizer, model_name=args.served_model_name or str(args.model or
+                    model_dir), eos_ids=tuple(cfg.eos_token_ids), speculative=method.block > 1)
+    return served, create_app(served)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    mesh = cli_args.mesh_from_args(args)
+    _, app = build(args, mesh)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=None)
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (flags as vLLM's)")
+    s.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
+    s.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the shipped "
+                   "target; none with --model)")
+    s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
+                   '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\'')
+    s.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
+                   "drafter's block size")
+    s.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    s.add_argument("--served-model-name", help="the model name requests give (default: --model as given, else "
+                   "the shipped target's path)")
+    s.add_argument("--max-num-seqs", type=int, default=32, help="slots: requests decoded together in one step")
+    s.add_argument("--max-model-len", type=int, help=f"context per request, prompt + completion (default: the "
+                   f"target's max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
+    s.add_argument("--max-queue-len", type=int, help="requests that may wait for a slot; more get 503 with "
+                   "Retry-After (default: 4 x --max-num-seqs)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    s.add_argument("--no-warmup", action="store_true", help="compile each program at its first use instead of "
+                   "before serving")
+    s.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    cli_args.add_mesh_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
+
+if __name__ == "__main__":
+    cli_args.script(add_parser)

@@ -1,0 +1,292 @@
+"""The serving engine: continuous batching over the speculative loop's phases, in a fixed number of slots.
+
+Sits between the HTTP front end (``app.py``) and the loop (``SpeculativeLoop``): it owns one decode state of
+``slots`` rows and a bounded queue of requests, and drives them from one thread, JetStream's shape. A
+request is prefilled alone at a bucketed prompt length (``loop.init`` on one row, with its own sampling
+settings and seed), inserted into a free slot between steps (``loop.insert``), and every slot advances in
+the one jitted ``loop.step`` with its own acceptance; after each step the host copies what the step emitted
+(``loop.recent``), hands each request its new tokens, and frees at once the slot of a request that is done
+(a stop id, its ``max_tokens``, its caller's stop string or disconnect). Shapes never change as requests
+come and go (the slot count and the cache capacity are fixed; prompts are padded to a power-of-two bucket
+up to the context), so nothing compiles after ``warmup``. Stop ids are decided here, per request, not
+by the loop (whose spec has none): the tokens are the loop's, cut where ``generate``'s would stop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import parallel
+from dflash_jax.decoding.api import bucket_for
+from dflash_jax.decoding.loop import FinishReason, LoopState, SpecConfig, SpeculativeLoop
+from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
+
+log = logging.getLogger("dflash_jax.serve")
+
+
+class QueueFull(Exception):
+    """The bounded queue of waiting requests is full (the server answers 503 with Retry-After)."""
+
+
+class Closed(Exception):
+    """The engine takes no new requests (it is draining for shutdown)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """How a request ended: ``reason`` "stop" (a stop id or string), "length" (max_tokens), "abort"
+    (cancelled: its client left) or "nonfinite" (the target's logits had no finite peak); ``steps``:
+    target verify steps it took part in; ``accepted``: drafts the target accepted over them."""
+
+    reason: str
+    steps: int
+    accepted: int
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    """One request: a token-id prompt and its settings. ``emit(tokens, finish)`` is called from the engine's
+    thread with each step's new tokens, and once with ``finish`` set (then never again)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    stop_ids: tuple[int, ...]
+    emit: Callable[[list[int], Finish | None], None]
+    cancelled: bool = False  # set by the caller (e.g. its client disconnected); the engine frees the slot
+    slot: int = -1
+    sent: int = 0  # tokens handed to emit so far
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclasses.dataclass
+class Stats:
+    """The engine's own counters (``Engine.stats`` copies them): finished requests, their tokens and verify
+    steps, engine steps, and a record per finished request (completion tokens, verify steps, reason)."""
+
+    requests: int = 0
+    completion_tokens: int = 0
+    verify_steps: int = 0
+    accepted_drafts: int = 0
+    engine_steps: int = 0
+    finished: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Continuous batching of ``loop`` (a ``SpeculativeLoop`` whose spec has ``capacity`` and no stop ids:
+    ``Engine.spec_for`` builds it) over ``slots`` rows with ``params`` = (target params, proposer params).
+
+    ``submit`` queues a ``Job`` (at most ``max_queue`` waiting, else ``QueueFull``); ``start`` runs the
+    engine's thread; ``close`` stops taking requests and, with ``drain``, finishes every accepted one first.
+    """
+
+    def __init__(self, loop: SpeculativeLoop, params, *, slots: int, max_model_len: int, max_queue: int):
+        if slots < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {slots}")
+        if max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
+        self.loop, self.params, self.slots = loop, params, slots
+        self.max_model_len, self.max_queue = max_model_len, max_queue
+        self._pending: collections.deque[Job] = collections.deque()
+        self._active: dict[int, Job] = {}
+        self._free = list(range(slots - 1, -1, -1))
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self._stats = Stats()
+        self.state = self._empty_state()
+
+    @staticmethod
+    def capacity(max_model_len: int, block: int) -> int:
+        """The cache length of every slot: the largest prompt bucket plus max_model_len new tokens and a block
+        (``SpeculativeLoop.capacity``'s rule for any prompt; a request's prompt + max_tokens <= max_model_len)."""
+        return bucket_limit(max_model_len) + max_model_len + block
+
+    def buckets(self) -> list[int]:
+        """The prompt lengths prefill compiles for: powers of two from 16, the last one the context."""
+        out, b = [], bucket_for(1)
+        while b < self.max_model_len:
+            out.append(b)
+            b *= 2
+        return out + [bucket_limit(self.max_model_len)]
+
+    def _prefill(self, prompt: list[int], sampling: SamplingConfig, seed: int) -> LoopState:
+        """A one-row state of ``prompt`` padded to its bucket: the first token chosen with its own settings."""
+        bucket = min(bucket_for(len(prompt)), bucket_limit(self.max_model_len))
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        lens = np.array([len(prompt)], np.int32)
+        if self.loop.mesh is not None:
+            tokens, lens = parallel.shard_rows(self.loop.mesh, tokens, lens)
+        return self.loop.init(self.params, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seed, jnp.int32),
+                              RowSampling.of([sampling]))
+
+    def _empty_state(self) -> LoopState:
+        """``slots`` free rows (each a copy of a one-token prefill, marked finished so no step changes it)."""
+        row = self._prefill([0], SamplingConfig(), 0)
+        state = jax.tree.map(lambda x: jnp.repeat(x, self.slots, 0) if x.ndim and x.shape[0] == 1 else x, row)
+        return dataclasses.replace(state, finish=jnp.full((self.slots,), FinishReason.STOP, jnp.int32))
+
+    def warmup(self) -> None:
+        """Compiles every program serving runs (prefill per bucket, insert, step, the host copies), so that no
+        request waits for a compilation; the slots stay free."""
+        for bucket in self.buckets():
+            row = self._prefill([0] * bucket, SamplingConfig(), 0)
+            self.state = self.loop.insert(self.state, row, jnp.asarray(0, jnp.int32))
+        self.state = self._free_rows(self.loop.step(self.params, self.state), np.ones(self.slots, bool))
+        parallel.host(self._snapshot())
+
+    def _snapshot(self):
+        n_out, finish, window = self.loop.recent(self.state)
+        return n_out, finish, window, self.state.steps, self.state.accepted
+
+    def _free_rows(self, state: LoopState, rows: np.ndarray) -> LoopState:
+        """``state`` with ``rows`` [slots] bool marked finished: no later step changes them."""
+        finish = jnp.where(jnp.asarray(rows), FinishReason.STOP, state.finish).astype(jnp.int32)
+        return dataclasses.replace(state, finish=finish)
+
+    # -- the caller's side (any thread) --
+
+    def submit(self, job: Job) -> Job:
+        """Queues ``job``; ``QueueFull`` when ``max_queue`` requests already wait, ``Closed`` when draining."""
+        if not 1 <= len(job.prompt) < self.max_model_len:
+            raise ValueError(f"prompt of {len(job.prompt)} tokens: must be 1 .. {self.max_model_len - 1} tokens "
+                             f"(--max-model-len {self.max_model_len})")
+        if job.max_tokens < 1 or len(job.prompt) + job.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {job.max_tokens}: must be 1 .. {self.max_model_len - len(job.prompt)} "
+                             f"for a prompt of {len(job.prompt)} tokens (--max-model-len {self.max_model_len})")
+        with self._cond:
+            if self._closing:
+                raise Closed("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"{len(self._pending)} requests are waiting (--max-queue {self.max_queue})")
+            self._pending.append(job)
+            self._cond.notify()
+        return job
+
+    def stats(self) -> dict:
+        """The counters, and the slots and queue now."""
+        with self._cond:
+            s = dataclasses.replace(self._stats, finished=list(self._stats.finished))
+            return dict(dataclasses.asdict(s), active=len(self._active), waiting=len(self._pending),
+                        slots=self.slots)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dflash-jax-engine", daemon=True)
+        self._thread.start()
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops taking requests; ``drain``: finishes the accepted ones first, else cancels them. Waits for the
+        engine's thread (at most ``timeout`` seconds)."""
+        with self._cond:
+            self._closing = True
+            if not drain:
+                for job in [*self._pending, *self._active.values()]:
+                    job.cancel()
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine's thread --
+
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except Exception:  # a bug or a device failure: every waiting caller gets an answer, not a hang
+            log.exception("the engine failed; aborting every request")
+            with self._cond:
+                jobs, self._closing = [*self._pending, *self._active.values()], True
+                self._pending.clear()
+                self._active.clear()
+            for job in jobs:
+                job.emit([], Finish("abort", 0, 0))
+
+    def _iterate(self) -> bool:
+        """Admits waiting requests into free slots, hands out what the last step emitted, steps; False once
+        closed and empty."""
+        with self._cond:
+            while not self._pending and not self._active:
+                if self._closing:
+                    return False
+                self._cond.wait()
+            admit = []
+            while self._pending and self._free:
+                job = self._pending.popleft()
+                if job.cancelled:
+                    self._finish(job, Finish("abort", 0, 0))
+                    continue
+                job.slot = self._free.pop()
+                admit.append(job)
+        for job in admit:
+            row = self._prefill(job.prompt, job.sampling, job.seed)
+            self.state = self.loop.insert(self.state, row, jnp.asarray(job.slot, jnp.int32))
+            with self._cond:
+                self._active[job.slot] = job
+        n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
+        done = np.zeros(self.slots, bool)
+        block = self.loop.spec.block_size
+        for slot, job in list(self._active.items()):
+            start = max(int(n_out[slot]) - block, 0)
+            new = window[slot, job.sent - start:int(n_out[slot]) - start].tolist()
+            reason = None
+            stops = [i for i, t in enumerate(new) if t in job.stop_ids]
+            if stops:
+                new, reason = new[:stops[0] + 1], "stop"
+            if job.sent + len(new) >= job.max_tokens:
+                new, reason = new[:job.max_tokens - job.sent], reason or "length"
+            if reason is None and finish[slot] == FinishReason.NONFINITE:
+                reason = "nonfinite"
+            if reason is None and job.cancelled:
+                reason = "abort"
+            job.sent += len(new)
+            if reason is None:
+                if new:
+                    job.emit(new, None)
+                continue
+            a = int((accepted[slot] * np.arange(block)).sum())
+            if new:
+                job.emit(new, None)
+            done[slot] = True
+            with self._cond:
+                del self._active[slot]
+                self._free.append(slot)
+                self._finish(job, Finish(reason, int(steps[slot]), a))
+        if done.any():
+            self.state = self._free_rows(self.state, done)
+        if self._active:
+            self.state = self.loop.step(self.params, self.state)
+            self._stats.engine_steps += 1
+        return True
+
+    def _finish(self, job: Job, finish: Finish) -> None:
+        """Counts a finished request and tells its caller (``self._cond`` held)."""
+        s = self._stats
+        s.requests += 1
+        s.completion_tokens += job.sent
+        s.verify_steps += finish.steps
+        s.accepted_drafts += finish.accepted
+        s.finished.append((job.sent, finish.steps, finish.reason))
+        job.emit([], finish)
+
+
+def bucket_limit(max_model_len: int) -> int:
+    """The largest prompt bucket: the context, or the power of two above it when that is smaller than 16."""
+    return max(bucket_for(1), max_model_len)
+
+
+def spec_for(block_size: int, max_model_len: int):
+    """The loop spec a server runs: no stop ids (the engine applies each request's), a fixed cache capacity."""
+    return SpecConfig(block_size=block_size, max_new_tokens=max_model_len, stop_ids=(),
+                      capacity=Engine.capacity(max_model_len, block_size))

