@@ -1,7 +1,9 @@
 """``dflash-jax bench``: tau, tokens/s and speed-up of plain, MTP and DFlash decoding on the report's workloads.
 
 A thin front end over ``dflash_jax.perf.bench``: it checks the flags, loads the models (or random-weight ones
-from config files) and the workload's prompts, and writes bench.json and the plots.
+from config files) and the workload's prompts, and writes bench.json and the plots. ``dflash:auto`` (in the
+default methods) is the block ``--block-size auto`` picks per concurrency (``perf.step_cost.choose``);
+``hf:ar`` and ``zlab:B`` are the peers on the same weights (``perf.peers``: PyTorch, optional).
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from pathlib import Path
 from dflash_jax import parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.decoding import runtime
+from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.workloads import WORKLOADS, load_turns
 from dflash_jax.io import atomic
+from dflash_jax.perf import peers, step_cost
 from dflash_jax.perf.bench import (
+    AUTO,
     TIMING,
     _batches,
     _machine,
@@ -33,8 +38,17 @@ from dflash_jax.perf.bench import (
 def cmd_bench(args) -> int:
     from tqdm.auto import tqdm
 
-    mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints and writes
     methods = parse_methods(args.methods)
+    peer_list = [m for m in methods if isinstance(m, peers.Peer)]
+    peers.require(peer_list)  # torch before JAX compiles anything
+    mesh = cli_args.mesh_from_args(args)  # joins the other processes; only process 0 prints and writes
+    if peer_list and args.random_config:
+        raise ValueError(f"{', '.join(p.name for p in peer_list)} load the checkpoints: not with --random-config")
+    if AUTO in methods and args.simulate_acceptance:
+        raise ValueError(f"{AUTO} chooses from the drafter's real acceptance: not with --simulate-acceptance")
+    # what the models are loaded for: the loop's methods, and a DFlash one for auto (its drafter)
+    needed = [m for m in methods if isinstance(m, runtime.Method)] + ([runtime.Method("dflash", 2)]
+                                                                      if AUTO in methods else [])
     workloads = [w.strip() for w in args.workload.split(",")]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
@@ -56,20 +70,27 @@ def cmd_bench(args) -> int:
     out = Path(args.out)  # args.check_outputs proved it writable before any work
     if args.random_config:
         workloads = ["random"]
-        target, drafter, model_dir, draft_dir = random_models(args, methods)
+        target, drafter, model_dir, draft_dir = random_models(args, needed)
         encoded = {"random": random_prompts(args.num_prompts, args.random_prompt_len, target.cfg.vocab_size,
                                             args.seed)}
         how = f"random token ids ({args.random_prompt_len} per prompt)"
     else:
         turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
         model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
-        target, drafter = runtime.load_models(model_dir, draft_dir, methods, dtype=runtime.DTYPES[args.dtype],
+        target, drafter = runtime.load_models(model_dir, draft_dir, needed, dtype=runtime.DTYPES[args.dtype],
                                               progress=not args.quiet, mesh=mesh)
     notes = []
-    if any(m.kind == "mtp" for m in methods) and not runtime.has_mtp(target):
-        notes.append(f"skipped {', '.join(m.name for m in methods if m.kind == 'mtp')}: {model_dir} has no MTP "
-                     f"head (mtp.* weights)")
-        methods = [m for m in methods if m.kind != "mtp"]
+    mtp = [m for m in needed if m.kind == "mtp"]
+    if mtp and not runtime.has_mtp(target):
+        notes.append(f"skipped {', '.join(m.name for m in mtp)}: {model_dir} has no MTP head (mtp.* weights)")
+        methods = [m for m in methods if m not in mtp]
+    peer_models = peers.Models(model_dir, draft_dir, peer_list, args.dtype) if peer_list else None
+    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    key = (str(model_dir), str(draft_dir), args.dtype)
+
+    def choose(prompts, batch):
+        return step_cost.choose(target, drafter, prompts, batch=batch, key=key, draft_dir=draft_dir,
+                                max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, mesh=mesh)[0]
     for note in notes:
         print(f"dflash-jax bench: {note}", file=sys.stderr)
     if not args.random_config:
@@ -83,7 +104,8 @@ def cmd_bench(args) -> int:
     results = []
     with tqdm(total=units, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as progress:
         for w in workloads:
-            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh)
+            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh, choose=choose,
+                                      peer_models=peer_models)
     print(format_table(results))
     goals = format_goals(results)
     if goals:
@@ -102,7 +124,8 @@ def cmd_bench(args) -> int:
         models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if drafter else None,
                     tokenizer=None if args.random_config else str(args.tokenizer or model_dir), dtype=args.dtype,
                     random_weights=bool(args.random_config)),
-        settings=dict(workloads=workloads, methods=[m.name for m in methods], concurrency=args.concurrency,
+        settings=dict(workloads=workloads, methods=[m if m == AUTO else m.name for m in methods],
+                      concurrency=args.concurrency,
                       num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       ignore_eos=args.ignore_eos, prompts_file=args.prompts, prompt_format=args.prompt_format,
@@ -129,8 +152,12 @@ def add_parser(sub) -> None:
     """Registers ``bench`` on the ``dflash-jax`` subcommands."""
     b = sub.add_parser("bench", help="tau, tokens/s and speed-up of ar / MTP / DFlash on the report's workloads")
     b.add_argument("--workload", default="humaneval", help=f"comma-separated, of {', '.join(WORKLOADS)}")
-    b.add_argument("--methods", default="ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16",
-                   help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B); ar is always run")
+    b.add_argument("--methods", default=f"ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16,{AUTO}",
+                   help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B), dflash:auto (the "
+                        "block --block-size auto picks per concurrency: expected tokens/s from the drafter's "
+                        "acceptance and the step cost measured here), and the peers on the same weights hf:ar "
+                        "(transformers' generate) and zlab:B (z-lab's dflash package, pip install --no-deps "
+                        "dflash==0.1.0); ar is always run")
     b.add_argument("--prompts", help='JSONL for the one --workload, as generate reads it: {"prompt": "..."} or '
                    '{"turns": [...]} (z-lab format, the first turn) per line')
     b.add_argument("--prompt-format", choices=("zlab", "raw"), default="zlab",

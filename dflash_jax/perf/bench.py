@@ -51,14 +51,17 @@ from dflash_jax.decoding.loop import FinishReason, SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import OracleParams, OracleProposer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.cache import split_pending, with_pending
-from dflash_jax.perf import roofline
+from dflash_jax.perf import peers, roofline
+
+AUTO = "dflash:auto"  # the DFlash method at the block ``--block-size auto`` picks per concurrency
 
 
-def parse_methods(text: str) -> list[runtime.Method]:
-    """'ar,mtp:3,dflash:16' -> [Method]; ``ar`` is always measured (first), since speed-ups are relative to it."""
+def parse_methods(text: str) -> list:
+    """'ar,mtp:3,dflash:16,dflash:auto,hf:ar,zlab:16' -> [runtime.Method | AUTO | peers.Peer]; ``ar`` is always
+    measured (first), since speed-ups are relative to it."""
     methods = [runtime.AR]
     for item in text.split(","):
-        method = runtime.parse_method(item, "--methods")
+        method = AUTO if item.strip() == AUTO else peers.parse_peer(item) or runtime.parse_method(item, "--methods")
         if method == runtime.AR:
             continue
         if method in methods:
@@ -448,8 +451,21 @@ def _machine() -> dict:
             "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()]}
 
 
-def bench_workload(workload, prompts, methods, target, drafter, args, progress, mesh=None) -> list[dict]:
-    """Every method at every concurrency on one workload's token prompts; one result dict per (method, conc)."""
+def same_texts(outputs, base_outputs) -> list[bool]:
+    """Per row, whether a method's tokens equal the baseline's; ``outputs``: one per batch (``Timing.outputs``),
+    anything with ``token_lists()`` (the loop's ``GenerateOutput``, a peer's ``PeerOutput``)."""
+    texts, base = ([x for o in outs for x in o.token_lists()] for outs in (outputs, base_outputs))
+    return [x == a for x, a in zip(texts, base, strict=True)]
+
+
+def bench_workload(workload, prompts, methods, target, drafter, args, progress, mesh=None, *, choose=None,
+                   peer_models=None) -> list[dict]:
+    """Every method at every concurrency on one workload's token prompts; one result dict per (method, conc).
+
+    ``methods``: ``parse_methods``'s items. ``AUTO`` is resolved per concurrency by ``choose(prompts, batch)
+    -> decoding.blocksize.Choice`` (``perf.step_cost.choose``: the CLI binds it), its reason printed; the
+    chosen method's row says ``auto``. Peers run on ``peer_models`` (``peers.Models``), timed with the rest.
+    """
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stop_ids = () if args.ignore_eos else None
     bucket = bucket_for(max(len(p) for p in prompts))
@@ -459,15 +475,24 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
         batches = _batches(len(prompts), conc)
         padded = [pad_prompts([prompts[i] for i in rows], bucket, vocab_size=target.cfg.vocab_size)
                   for rows in batches]
+        chosen = None
+        if AUTO in methods:
+            chosen = choose(prompts, conc)
+            print(f"dflash-jax bench: {workload} c={conc}: {chosen.reason()}", flush=True)
+        auto_method = None if chosen is None else (
+            runtime.AR if chosen.block == 1 else runtime.Method("dflash", chosen.block))
+        loop_methods = list(dict.fromkeys([m for m in methods if isinstance(m, runtime.Method)]
+                                          + ([auto_method] if auto_method else [])))
+        peer_list = [m for m in methods if isinstance(m, peers.Peer)]
         loops, params = {}, {}
-        for m in methods:
+        for m in loop_methods:
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids)
             loops[m], params[m] = method_loop(target, *runtime.proposer_for(m, target, drafter), spec, mesh,
                                               simulate=simulate is not None and m.kind != "ar")
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
             ar_tokens = [loops[runtime.AR].run(params[runtime.AR], t, n, args.seed).tokens for t, n in padded]
-            for m in methods[1:]:
+            for m in loop_methods[1:]:
                 params[m] = [with_oracle(params[m], ar_tokens[b], m.block, simulate) for b in range(len(padded))]
 
         def show(m, r, b, conc=conc):
@@ -476,36 +501,32 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
 
         context = mean_context(prompts, args.max_new_tokens)
         floors = {m: floor_timer(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
-                                 context=context, dtype=args.dtype) for m in methods if m.kind != "mtp"}
-        timing = measure({m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in methods},
-                         len(padded), args.repeats, progress=show, floors=floors)
+                                 context=context, dtype=args.dtype) for m in loop_methods if m.kind != "mtp"}
+        runs = {m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in loop_methods}
+        eos = () if args.ignore_eos else tuple(target.cfg.eos_token_ids)
+        runs |= {p: peers.runner(p, peer_models, [[prompts[i] for i in rows] for rows in batches],
+                                 max_new_tokens=args.max_new_tokens, stop_ids=eos, sampling=sampling, seed=args.seed)
+                 for p in peer_list}
+        timing = measure(runs, len(padded), args.repeats, progress=show, floors=floors)
         phase = {}  # [steps, 3] per method: each profiled step's draft / verify / commit seconds
-        for m in methods:
+        for m in loop_methods:
             phase[m] = np.concatenate([np.zeros((0, 3))] + [
                 profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
                 for b in range(min(args.profile_batches, len(padded)))])
-        drafts = {} if drafter is None else draft_floors(methods, target.cfg, drafter.cfg, batch=conc,
+        drafts = {} if drafter is None else draft_floors(loop_methods, target.cfg, drafter.cfg, batch=conc,
                                                           context=context, dtype=args.dtype)
         ar = timing[runtime.AR]
         rows = sum(len(b) for b in batches)
         n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
-        ar_texts = [t for o in ar.outputs for t in o.token_lists()]
-        for m in methods:
+        for m in loop_methods + peer_list:
             t = timing[m]
             n = sum(int(np.asarray(o.lengths).sum()) for o in t.outputs)
-            hist = sum(np.asarray(o.accepted).sum(0) for o in t.outputs)
             tau_rows = [float(x) for o in t.outputs for x in np.asarray(o.tau)]
-            texts = [x for o in t.outputs for x in o.token_lists()]
-            same = [x == a for x, a in zip(texts, ar_texts, strict=True)]
+            same = same_texts(t.outputs, ar.outputs)
             ratio = speedups(t, ar, n, n_ar, rows)
             tau = float(np.mean(tau_rows))
-            # the median is robust to slow spells; below zero (noise about a phase doing nothing) reads 0
-            per_step = np.maximum(np.median(phase[m], axis=0), 0.0) if len(phase[m]) else np.zeros(3)
-            # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
-            iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
-            loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
-            floor_ms, floor_x = paired_floor(t.paired)
-            results.append(dict(
+            steps = sum(int(np.asarray(o.steps).sum()) for o in t.outputs)
+            common = dict(
                 workload=workload, concurrency=conc, method=m.name, kind=m.kind, block=m.block,
                 prompts=len(prompts), rows=rows, prompt_bucket=bucket, repeats=args.repeats, tokens=n,
                 prefill_s=spread(t.prefill_s), decode_s=spread(t.decode_s),
@@ -514,10 +535,27 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 e2e_tokens_per_s=round(statistics.median(n / (p + d) for p, d in zip(t.prefill_s, t.decode_s,
                                                                                      strict=True)), 2),
                 e2e_speedup=ratio["e2e"]["median"], e2e_speedup_spread=ratio["e2e"],
+                tau=round(tau, 4), tau_rows=[round(x, 4) for x in tau_rows], steps=steps,
+                compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
+                matches_ar=all(same) if sampling.greedy else None, mismatched_rows=len(same) - sum(same),
+                auto=m == auto_method, block_choice=chosen.as_dict() if chosen and m == auto_method else None)
+            if isinstance(m, peers.Peer):  # rows one at a time: a row's steps are iterations of its own loop
+                results.append(dict(
+                    common, peer=True, ceiling=None, tau_hist={}, accept_frac={}, step_ms=None, draft_floor_ms=None,
+                    profiled_steps=0, loop_step_ms=round(statistics.median(t.decode_s) / max(steps, 1) * 1e3, 4),
+                    loop_iterations=steps, floor_ms=None, floor_x=None, simulated=False))
+                continue
+            hist = sum(np.asarray(o.accepted).sum(0) for o in t.outputs)
+            # the median is robust to slow spells; below zero (noise about a phase doing nothing) reads 0
+            per_step = np.maximum(np.median(phase[m], axis=0), 0.0) if len(phase[m]) else np.zeros(3)
+            # The while loop runs until a batch's last row finishes: its iterations are the rows' most steps.
+            iterations = sum(int(np.asarray(o.steps).max()) for o in t.outputs)
+            loop_ms = statistics.median(t.decode_s) / max(iterations, 1) * 1e3
+            floor_ms, floor_x = paired_floor(t.paired)
+            results.append(dict(
+                common, peer=False,
                 ceiling=ceiling(m, target.cfg, None if drafter is None else drafter.cfg, tau=tau, batch=conc,
                                 context=context, dtype=args.dtype),
-                tau=round(tau, 4), tau_rows=[round(x, 4) for x in tau_rows],
-                steps=sum(int(np.asarray(o.steps).sum()) for o in t.outputs),
                 tau_hist={str(i + 1): int(c) for i, c in enumerate(hist)},
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
                 step_ms=dict(zip(("draft", "verify", "commit"), (per_step * 1e3).round(4).tolist(),
@@ -526,8 +564,6 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 profiled_steps=len(phase[m]), loop_step_ms=round(loop_ms, 4), loop_iterations=iterations,
                 floor_ms=None if floor_ms is None else round(floor_ms, 4),
                 floor_x=None if floor_x is None else round(floor_x, 3),
-                compile_s=round(t.compile_s, 3), first_run_s=round(t.first_s, 3),
-                matches_ar=all(same) if sampling.greedy else None, mismatched_rows=len(same) - sum(same),
                 simulated=simulate is not None and m.kind != "ar"))
     return results
 
@@ -617,20 +653,30 @@ def busy_note() -> str | None:
 
 
 def format_table(results: list[dict]) -> str:
-    head = (f"{'workload':<10} {'conc':>4} {'method':<10} {'tau':>6} {'tok/s':>9} {'speedup (min-max)':>18} "
+    """One line per (workload, concurrency, method); ``*`` marks the block ``auto`` chose; a peer's texts that
+    differ from ar's are said (``greedy==ar``), as every method's."""
+    head = (f"{'workload':<10} {'conc':>4} {'method':<12} {'tau':>6} {'tok/s':>9} {'speedup (min-max)':>18} "
             f"{'ceiling':>7} {'e2e':>6} {'step ms':>7} {'x floor':>7} {'draft ms':>8} {'verify ms':>9} "
             f"{'commit ms':>9} {'compile s':>9}  greedy==ar")
     lines = [head, "-" * len(head)]
     for r in results:
         same = {True: "yes", False: f"NO ({r['mismatched_rows']} rows)", None: "n/a (sampled)"}[r["matches_ar"]]
-        ms, sp = r["step_ms"], r["speedup_spread"]
+        sp = r["speedup_spread"]
+        ms = r["step_ms"] or dict.fromkeys(("draft", "verify", "commit"))
         ceil = "n/a" if r["ceiling"] is None else f"{r['ceiling']:.2f}x"
         floor = "n/a" if r["floor_x"] is None else f"{r['floor_x']:.2f}x"
-        lines.append(f"{r['workload']:<10} {r['concurrency']:>4} {r['method']:<10} {r['tau']:>6.2f} "
+        phases = " ".join(f"{'n/a' if ms[k] is None else f'{ms[k]:.2f}':>{w}}" for k, w in
+                          (("draft", 8), ("verify", 9), ("commit", 9)))
+        name = r["method"] + (" *" if r.get("auto") else "")
+        lines.append(f"{r['workload']:<10} {r['concurrency']:>4} {name:<12} {r['tau']:>6.2f} "
                      f"{r['tokens_per_s']:>9.1f} {sp['median']:>6.2f}x ({sp['min']:.2f}-{sp['max']:.2f}) "
                      f"{ceil:>7} {r['e2e_speedup']:>5.2f}x {r['loop_step_ms']:>7.2f} {floor:>7} "
-                     f"{ms['draft']:>8.2f} {ms['verify']:>9.2f} "
-                     f"{ms['commit']:>9.2f} {r['compile_s']:>9.1f}  {same}")
+                     f"{phases} {r['compile_s']:>9.1f}  {same}")
+    if any(r.get("auto") for r in results):
+        lines.append("* the block --block-size auto chose for this concurrency (dflash:auto)")
+    if any(r.get("peer") for r in results):
+        lines.append("hf:ar / zlab:B: transformers' generate / z-lab's dflash_generate (PyTorch, rows one at a time) "
+                     "on the same weights; step ms = decode s / target steps")
     return "\n".join(lines)
 
 

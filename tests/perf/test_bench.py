@@ -22,7 +22,7 @@ from dflash_jax.decoding.proposers import NoProposer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import init_drafter, save_drafter
 from dflash_jax.models.target import load_target
-from dflash_jax.perf import bench
+from dflash_jax.perf import bench, peers
 
 WORDS = [f"w{i}" for i in range(80)]
 
@@ -105,6 +105,50 @@ def test_method_errors(text, match):
 def test_methods_parse():
     got = bench.parse_methods("mtp:3,dflash:16,ar")
     assert [(m.name, m.block) for m in got] == [("ar", 1), ("mtp:3", 4), ("dflash:16", 16)]
+    got = bench.parse_methods("dflash:auto,hf:ar,zlab:16")
+    assert got == [runtime.AR, bench.AUTO, peers.Peer("hf", 1), peers.Peer("zlab", 16)]
+    with pytest.raises(ValueError, match="listed twice"):
+        bench.parse_methods("dflash:auto,dflash:auto")
+
+
+def _row(method, **kw):
+    spread = dict(median=1.0, min=1.0, max=1.0, ci=[1.0, 1.0])
+    return dict(dict(workload="w", concurrency=1, method=method, tau=1.0, tokens_per_s=10.0, speedup_spread=spread,
+                     ceiling=None, e2e_speedup=1.0, loop_step_ms=1.0, floor_x=None, compile_s=0.0, matches_ar=True,
+                     mismatched_rows=0, step_ms=dict(draft=0.0, verify=1.0, commit=0.1)), **kw)
+
+
+def test_table_marks_the_auto_block_and_reports_a_peer_whose_text_differs():
+    table = bench.format_table([_row("ar"), _row("dflash:8", auto=True),
+                                _row("hf:ar", peer=True, step_ms=None),
+                                _row("zlab:16", peer=True, step_ms=None, matches_ar=False, mismatched_rows=2)])
+    lines = table.splitlines()
+    assert "dflash:8 *" in lines[3] and lines[3].endswith("yes")
+    assert "hf:ar" in lines[4] and lines[4].count("n/a") >= 3 and lines[4].endswith("yes")
+    assert "zlab:16" in lines[5] and lines[5].endswith("NO (2 rows)")
+    assert "--block-size auto chose" in lines[6] and "transformers' generate / z-lab's dflash_generate" in lines[7]
+
+
+@pytest.mark.slow
+def test_bench_auto_and_peers_end_to_end(setup, capsys):
+    """dflash:auto resolved per concurrency (its reason printed, its row marked), and the peers timed beside the
+    loop on the same checkpoint, their texts compared with ar's in the table and bench.json."""
+    pytest.importorskip("dflash", reason="z-lab's package: pip install --no-deps dflash==0.1.0")
+    out = setup["root"] / "auto"
+    assert main(_argv(setup, out, "--methods", "dflash:auto,hf:ar,zlab:4", "--concurrency", "2", "--no-plots",
+                      "--profile-batches", "0")) == 0
+    stdout = capsys.readouterr().out
+    assert stdout.count("block size auto: ") == 1 and "mbpp c=2: block size auto: " in stdout
+    report = json.loads((out / "bench.json").read_text())
+    assert report["settings"]["methods"] == ["ar", "dflash:auto", "hf:ar", "zlab:4"]
+    rows = {r["method"]: r for r in report["results"]}
+    (auto,) = [r for r in rows.values() if r["auto"]]
+    assert auto["block_choice"]["block"] == auto["block"] and auto["block_choice"]["batch"] == 2
+    for peer in ("hf:ar", "zlab:4"):
+        assert rows[peer]["peer"] and rows[peer]["tokens"] == 2 * 16 and isinstance(rows[peer]["matches_ar"], bool)
+    assert rows["hf:ar"]["matches_ar"]  # transformers' greedy decoding of the checkpoint is plain decoding's
+    line = next(x for x in stdout.splitlines() if " zlab:4 " in x)
+    assert line.endswith("yes") == rows["zlab:4"]["matches_ar"]
 
 
 def test_missing_dataset_says_how_to_provide_it(tmp_path, capsys):
