@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -20,7 +21,7 @@ import jax
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import read_target_config
 from dflash_jax.decoding import runtime
-from dflash_jax.decoding.api import stream
+from dflash_jax.decoding.api import PositionWarning, position_warning, stream
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.text import TextStream
 from dflash_jax.perf import bench
@@ -122,6 +123,7 @@ class Request:
     sampling: SamplingConfig
     stop_ids: tuple[int, ...]
     stop_strings: tuple[str, ...]
+    note: str = ""  # how the method was chosen, when no flag chose it
 
 
 def check_request(args) -> Request:
@@ -144,7 +146,17 @@ def check_request(args) -> Request:
         from dflash_jax.config import DrafterConfig
 
         draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
-    method = method_from_flags(args, spec, draft_block)
+    note = ""
+    if spec is None and draft_dir is None and args.block_size is None:  # --model DIR and nothing to draft with
+        if cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir):  # as vLLM: the model's own head
+            method = runtime.Method("mtp", MTP_DEFAULT_STEPS + 1)
+            note = (f"no drafter given: {model_dir} has an MTP head, so it drafts ({method.name}); --block-size 1 "
+                    "for plain decoding, --draft-model DIR for DFlash")
+        else:
+            method = runtime.AR
+            note = "no drafter given: plain decoding (give --draft-model DIR for DFlash speculative decoding)"
+    else:
+        method = method_from_flags(args, spec, draft_block)
     if method.kind == "dflash" and method.block > draft_block:
         raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
                          f"size {draft_block} ({draft_dir})")
@@ -167,7 +179,8 @@ def check_request(args) -> Request:
     eos = () if args.ignore_eos else tuple(cfg.eos_token_ids)
     return Request(model_dir, draft_dir, method, texts,
                    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p),
-                   tuple(dict.fromkeys(eos + tuple(args.stop_ids))), tuple(_utf8(s, "--stop") for s in args.stop))
+                   tuple(dict.fromkeys(eos + tuple(args.stop_ids))), tuple(_utf8(s, "--stop") for s in args.stop),
+                   note)
 
 
 def _complete(args, req: Request, tokenizer, it) -> dict:
@@ -205,16 +218,23 @@ def _complete(args, req: Request, tokenizer, it) -> dict:
 def cmd_generate(args) -> int:
     mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints from here on
     req = check_request(args)
-    dtype = args.dtype or runtime.default_dtype()
-    target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
-                                          progress=not args.quiet, mesh=mesh)
-    if req.method.kind == "mtp" and not runtime.has_mtp(target):
-        raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
+    dtype = runtime.resolve_dtype(args.dtype, req.model_dir)
+    # The tokenizer and the prompts first: a broken tokenizer or template is reported before weights are loaded.
     tokenizer = runtime.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
     prompts = [runtime.encode(tokenizer, t, args.chat_template) for t in req.texts]
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
+    target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
+                                          progress=not args.quiet, mesh=mesh)
+    if req.method.kind == "mtp" and not runtime.has_mtp(target):
+        raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
+    if req.note and not args.quiet:
+        print(f"[{req.note}]", file=sys.stderr, flush=True)
+    warnings.filterwarnings("ignore", category=PositionWarning)  # said here, before any text is streamed
+    for i, p in enumerate(prompts):
+        if (message := position_warning(target.cfg, [len(p)], args.max_new_tokens)) is not None:
+            print(f"dflash-jax: warning: prompt {i + 1}: {message}", file=sys.stderr, flush=True)
     proposer, pparams = runtime.proposer_for(req.method, target, drafter)
     kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
               max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
@@ -267,11 +287,12 @@ def add_parser(sub) -> None:
                    f"(MTP default: {MTP_DEFAULT_STEPS})")
     g.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
                    "drafter's block size")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (at most)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the most likely tokens "
+                   "that hold this much probability (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=cli_args.seed, default=0)
+    g.add_argument("--seed", type=cli_args.seed, default=0, help="random seed of the sampling")
     g.add_argument("--stop-ids", type=cli_args.int_list, default=[], metavar="ID[,ID...]",
                    help="token ids that end a completion, besides the target's EOS ids")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -279,8 +300,10 @@ def add_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
-    g.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
-                   help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
+    g.add_argument("--dtype", choices=("auto", *runtime.DTYPES, "float16"), default=None,
+                   help="parameter dtype; auto: the checkpoint's torch_dtype (float16 ones run in bfloat16); float16 "
+                        "itself is refused: Qwen3.5's activations overflow it (default: bfloat16 on GPU/TPU, float32 "
+                        "on CPU)")
     g.add_argument("--repeats", type=int, default=15, help="timed runs per method in the comparison")
     g.add_argument("--no-compare", action="store_true", help="skip the timed comparison with plain decoding")
     g.add_argument("--json", action="store_true", help="print one JSON document (completions with tokens, text, "

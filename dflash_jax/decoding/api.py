@@ -10,6 +10,7 @@ Python (``stream``, for front ends that print as they go).
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Iterator
 
 import jax
@@ -22,6 +23,21 @@ from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, Proposer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import Drafter
 from dflash_jax.models.target import Target
+
+
+class PositionWarning(UserWarning):
+    """A prompt and its new tokens run past the target's max_position_embeddings (positions it was not trained on)."""
+
+
+def position_warning(cfg, prompt_lens, max_new_tokens: int) -> str | None:
+    """The warning for prompts of these real lengths (not their padded bucket) and ``max_new_tokens``, or None."""
+    limit = getattr(cfg, "max_position_embeddings", None)
+    longest = int(np.max(prompt_lens))
+    if limit and longest + max_new_tokens > limit:
+        return (f"the longest prompt ({longest} tokens) + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} "
+                f"exceeds the target's max_position_embeddings {limit}: positions past it are untrained")
+    return None
+
 
 INT32_MAX = int(np.iinfo(np.int32).max)  # token ids run as int32: a larger one would wrap (2**32 + 5 -> 5)
 
@@ -74,6 +90,8 @@ def _inputs(loop: SpeculativeLoop, params, prompts, prompt_lens):
         raise ValueError(f"prompt_lens[{bad[0]}] = {lens[bad[0]]} is outside 1..{prompts.shape[1]} (the bucket)")
     for b in range(prompts.shape[0]):
         _check_token_ids(prompts[b, :lens[b]], b, loop.cfg.vocab_size)
+    if (message := position_warning(loop.cfg, lens, loop.spec.max_new_tokens)) is not None:
+        warnings.warn(message, PositionWarning, stacklevel=3)
     if loop.mesh is not None:
         params = parallel.shard_params(params, loop.mesh, loop.cfg, loop.proposer)
         prompts, lens = parallel.shard_rows(loop.mesh, prompts, lens)

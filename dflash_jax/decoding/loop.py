@@ -25,7 +25,6 @@ import enum
 import functools
 import numbers
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -255,11 +254,6 @@ class SpeculativeLoop:
                              f"max_new_tokens {max_new} + block_size {block} = {need}")
         if capacity >= 2**31 - 1:  # positions are int32: refused for any device, before prefill is traced
             self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
-        limit = getattr(self.cfg, "max_position_embeddings", None)
-        if limit and bucket + max_new > limit:
-            warnings.warn(f"prompt bucket {bucket} + max_new_tokens {max_new} = {bucket + max_new} exceeds the "
-                          f"target's max_position_embeddings {limit}: positions past it are untrained",
-                          stacklevel=2)
         return capacity
 
     def _check_held(self, batch: int, capacity: int, caches, device=None) -> None:

@@ -38,9 +38,60 @@ def default_dtype() -> str:
 
 def model_dirs(model: str | None, draft_model: str | None) -> tuple[Path, Path | None]:
     """(target dir, drafter dir or None): the shipped pair by default; no drafter with a user's --model."""
+    draft = model_dir(draft_model, "--draft-model") if draft_model else None
     if model is None:
-        return ASSETS / "target", Path(draft_model) if draft_model else ASSETS / "drafter"
-    return Path(model), Path(draft_model) if draft_model else None
+        return ASSETS / "target", draft or ASSETS / "drafter"
+    return model_dir(model, "--model"), draft
+
+
+def hub_cache() -> Path:
+    """Where Hugging Face keeps downloads: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    return Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+
+
+def model_dir(text: str, flag: str) -> Path:
+    """The checkpoint directory a ``--model``-like flag names: a folder, or a hub id (``org/name``) found in the
+    Hugging Face cache (its ``refs/main`` snapshot, else the newest). Hub ids are never downloaded; a clear error
+    names the flag and says how to point at a local copy. A file is refused naming its folder."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.is_file():
+        raise ValueError(f"{flag} {text}: is a file; give the checkpoint directory that holds config.json"
+                         + (f" ({path.parent})" if path.name == "config.json" or path.suffix == ".safetensors" else ""))
+    parts = text.split("/")
+    if len(parts) == 2 and all(parts) and not text.startswith((".", "~")):
+        repo = hub_cache() / f"models--{parts[0]}--{parts[1]}"
+        snapshots = sorted((repo / "snapshots").glob("*"), key=lambda p: p.stat().st_mtime) if repo.is_dir() else []
+        ref = repo / "refs" / "main"
+        pinned = repo / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+        found = pinned if pinned is not None and (pinned / "config.json").is_file() else next(
+            (s for s in reversed(snapshots) if (s / "config.json").is_file()), None)
+        if found is not None:
+            return found
+        raise ValueError(f"{flag} {text}: no such directory, and hub ids are not downloaded (this library reads "
+                         f"local files only). Download it first, e.g. `huggingface-cli download {text}`, then pass "
+                         f"the folder it prints (or keep it in the Hugging Face cache, {hub_cache()}, where "
+                         f"{flag} {text} finds it)")
+    raise ValueError(f"{flag} {text}: no such directory")
+
+
+def resolve_dtype(flag: str | None, model_dir: Path) -> str:
+    """``--dtype``'s value as a parameter dtype name: None is ``default_dtype()``, ``auto`` the checkpoint's own
+    (config.json's ``torch_dtype`` / ``dtype``; float16 checkpoints run in bfloat16, float16's range being too
+    small), float16 refused with the reason."""
+    if flag == "float16":
+        raise ValueError("--dtype float16 is not supported: Qwen3.5's activations exceed float16's range (max 65504) "
+                         "and would turn to inf; use bfloat16 (the same size, float32's range) or float32")
+    if flag != "auto":
+        return flag or default_dtype()
+    from dflash_jax.config import read_config_json
+
+    raw, _ = read_config_json(model_dir)
+    stored = raw.get("torch_dtype") or raw.get("dtype") or (raw.get("text_config") or {}).get("dtype")
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "bfloat16"}.get(stored, default_dtype())
 
 
 def _no_torch_banner(record: logging.LogRecord) -> bool:
@@ -61,8 +112,8 @@ def load_tokenizer(path: str | Path, flag: str = "--tokenizer"):
                          f"{', '.join(TOKENIZER_FILES)})")
     try:
         return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{flag} {path}: no usable tokenizer ({e})") from None
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for a truncated tokenizer.json
+        raise ValueError(f"{flag} {path}: no usable tokenizer ({type(e).__name__}: {e})") from None
 
 
 def uses_chat_template(tokenizer, chat: str) -> bool:
@@ -81,8 +132,14 @@ def encode(tokenizer, text: str, chat: str = "auto", thinking: bool = False) -> 
     holds every special token, so none are added again.
     """
     if uses_chat_template(tokenizer, chat):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False, enable_thinking=thinking)
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False, enable_thinking=thinking)
+        except Exception as e:  # noqa: BLE001 -- a template is user code (Jinja): it may raise anything
+            raise ValueError(f"the tokenizer's chat template failed ({type(e).__name__}: {e}); fix the template, "
+                             "or use --chat-template off to encode the raw text") from None
+        if not isinstance(text, str):
+            raise ValueError(f"the tokenizer's chat template rendered a {type(text).__name__}, not text")
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -152,6 +209,16 @@ def check_blocks(methods, drafter, where) -> None:
     if too_big:
         raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
                          f"({where})")
+
+
+def checkpoint_has_mtp(model_dir: Path) -> bool:
+    """Whether the checkpoint at ``model_dir`` holds MTP head weights (``mtp.*``), from its headers alone."""
+    from dflash_jax.io import checkpoint
+    from dflash_jax.models.target import CONVERTED
+
+    if (model_dir / CONVERTED).is_dir():
+        return bool(checkpoint.read_meta(model_dir / CONVERTED).get("mtp"))
+    return any(k.startswith("mtp.") for k in checkpoint.checkpoint_files(model_dir))
 
 
 def has_mtp(target) -> bool:

@@ -70,3 +70,18 @@ def test_load_target_refuses_parameter_dtypes_it_cannot_hold(tmp_path, dtype, ma
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=rf"{tmp_path / 'config.json'} is a file; a checkpoint is the directory"):
         load_target(tmp_path / "config.json")
+
+
+def test_the_position_warning_uses_real_lengths_not_the_bucket(target):
+    """max_position_embeddings 64: a 20-token prompt (bucket 32) + 40 new tokens fits; 30 + 50 does not."""
+    import dataclasses
+    import warnings
+
+    from dflash_jax.decoding.api import PositionWarning
+
+    short = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, max_position_embeddings=64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PositionWarning)
+        generate(short, [[3] * 20], max_new_tokens=40, stop_ids=())
+    with pytest.warns(PositionWarning, match=r"the longest prompt \(30 tokens\) \+ max_new_tokens 50 = 80 exceeds"):
+        generate(short, [[3] * 30], max_new_tokens=50, stop_ids=())
