@@ -10,16 +10,18 @@ cost(B). Once verification is compute-bound (a large batch) the cost grows with 
 wins, the report's concurrency-32 observation; vLLM and SGLang call B - 1 the number of speculative tokens.
 
 The acceptance comes from the drafter's card (``acceptance.json`` in the drafter's folder, written by
-``record_acceptance``) or from ``calibrate``: a short run of the loop at the drafter's own block, whose
-histogram of accepted drafts per step gives a_k. A block shorter than the calibrated one is assumed to
-accept its first drafts as the long block does (DFlash drafts a block at once, so a draft sees the
-masked positions after it: the approximation is that they change little).
+``record_acceptance``, valid for the weights whose SHA-256 it records) or from ``calibrate``: a short run
+of the loop at the drafter's own block, whose histogram of accepted drafts per step gives a_k. A block
+shorter than the calibrated one is assumed to accept its first drafts as the long block does (DFlash
+drafts a block at once, so a draft sees the masked positions after it: the approximation is that they
+change little).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -114,6 +116,11 @@ class Card:
     temperature: float  # the sampling temperature of the recording (0: greedy)
     prompts: str  # which prompts, in words
     max_new_tokens: int
+    weights: str = ""  # ``weights_digest`` of the drafter the card was recorded for
+
+    def fits(self, draft_dir: str | Path) -> bool:
+        """Whether the card was recorded for the weights now in ``draft_dir`` (a retrained drafter's is stale)."""
+        return self.weights == weights_digest(draft_dir)
 
     @property
     def acceptance(self) -> tuple[float, ...]:
@@ -124,12 +131,19 @@ class Card:
         return expected_tokens(self.acceptance, self.block_size)
 
 
+def weights_digest(draft_dir: str | Path) -> str:
+    """SHA-256 of the drafter's weights file (``model.safetensors``): which weights a card describes."""
+    path = Path(draft_dir) / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
 def write_card(draft_dir: str | Path, card: Card) -> Path:
     """Writes ``card`` as ``draft_dir/acceptance.json`` (atomically); returns the path."""
     path = Path(draft_dir) / CARD
     doc = dict(format=CARD_FORMAT, block_size=card.block_size, histogram=list(card.histogram),
                acceptance=[round(a, 6) for a in card.acceptance], tau=round(card.tau, 4),
-               temperature=card.temperature, prompts=card.prompts, max_new_tokens=card.max_new_tokens)
+               temperature=card.temperature, prompts=card.prompts, max_new_tokens=card.max_new_tokens,
+               weights_sha256=card.weights)
     atomic.write_text(path, json.dumps(doc, indent=1) + "\n")
     return path
 
@@ -156,7 +170,8 @@ def read_card(draft_dir: str | Path) -> Card | None:
     if not isinstance(temperature, float | int) or temperature < 0:
         raise ValueError(f"{path}: \"temperature\" must be a number >= 0, got {temperature!r}")
     return Card(block_size=block, histogram=tuple(hist), temperature=float(temperature),
-                prompts=str(doc.get("prompts", "")), max_new_tokens=int(doc.get("max_new_tokens", 0)))
+                prompts=str(doc.get("prompts", "")), max_new_tokens=int(doc.get("max_new_tokens", 0)),
+                weights=str(doc.get("weights_sha256", "")))
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -189,14 +204,15 @@ def calibrate(target, drafter, prompts: list[list[int]], *, max_new_tokens: int 
 
 
 def record_acceptance(draft_dir: str | Path, target, drafter, prompts: list[list[int]], *, prompts_name: str,
-                      max_new_tokens: int = 128, sampling=None, seed: int = 0) -> Card:
+                      max_new_tokens: int = 128, sampling=None, stop_ids=None, seed: int = 0) -> Card:
     """Calibrates the drafter loaded from ``draft_dir`` on ``prompts`` and writes its card there: run once
     per shipped drafter (e.g. on HumanEval's raw prompts, greedy, 128 new tokens) so ``auto`` needs no
     calibration run."""
     sampling = sampling or SamplingConfig()
     card = Card(block_size=drafter.cfg.block_size,
                 histogram=calibrate(target, drafter, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                    seed=seed),
-                temperature=float(sampling.temperature), prompts=prompts_name, max_new_tokens=max_new_tokens)
+                                    stop_ids=stop_ids, seed=seed),
+                temperature=float(sampling.temperature), prompts=prompts_name, max_new_tokens=max_new_tokens,
+                weights=weights_digest(draft_dir))
     write_card(draft_dir, card)
     return card

@@ -102,11 +102,14 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
            sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh=None,
            blocks=None) -> tuple[blocksize.Choice, StepCosts]:
     """The block ``auto`` picks for ``batch`` rows (``blocksize.choose_block``): acceptance from the card in
-    ``draft_dir`` (when it was recorded at this temperature) or calibrated here, costs measured here (or
+    ``draft_dir`` (when it was recorded for its weights at this temperature) or calibrated here, costs measured here (or
     remembered: ``key`` names the models, e.g. their folders and dtype)."""
     blocks = tuple(blocks or blocksize.candidate_blocks(drafter.cfg.block_size))
     card = blocksize.read_card(draft_dir) if draft_dir is not None else None
-    if card is not None and card.temperature != sampling.temperature:
+    unused = None if card is None else ("recorded for other weights" if not card.fits(draft_dir) else
+                                        f"recorded at temperature {card.temperature}"
+                                        if card.temperature != sampling.temperature else None)
+    if unused:
         card = None
     memo_key = (key, batch, jax.default_backend(), blocks, sampling, bucket_for(max(len(p) for p in prompts)),
                 max_new_tokens, card is None)
@@ -123,6 +126,8 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
     else:
         acceptance = blocksize.acceptance_from_histogram(costs.histogram)
         source = f"calibrated on these prompts ({sum(costs.histogram)} steps at block {max(blocks)})"
+    if unused:
+        source += f" ({blocksize.CARD} unused: {unused})"
     timing = "remembered" if costs.cached else f"measured in {costs.seconds:.1f} s, {len(blocks)} programs compiled"
     choice = blocksize.choose_block(acceptance[:max(blocks) - 1], costs.costs, batch=batch,
                                     source=f"{source}; step costs {timing}")

@@ -89,6 +89,17 @@ def test_card_round_trip_and_errors_naming_the_file_and_key(tmp_path):
         blocksize.read_card(tmp_path)
 
 
+def test_a_card_describes_the_weights_it_was_recorded_for(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    digest = blocksize.weights_digest(tmp_path)
+    card = blocksize.Card(block_size=2, histogram=(1, 1), temperature=0.0, prompts="p", max_new_tokens=4,
+                          weights=digest)
+    blocksize.write_card(tmp_path, card)
+    assert blocksize.read_card(tmp_path).fits(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert not blocksize.read_card(tmp_path).fits(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     from dflash_jax.perf import regime, synthetic
@@ -97,11 +108,13 @@ def tiny_pair():
     return target, synthetic.random_drafter(regime._drafter(32, 4, (2, 1, 16), 64), target)
 
 
+@pytest.mark.slow
 def test_calibration_is_the_real_loops_histogram_and_records_a_card(tiny_pair, tmp_path):
     target, drafter = tiny_pair
     prompts = [[5, 6, 7], [8, 9]]
     hist = blocksize.calibrate(target, drafter, prompts, max_new_tokens=12, stop_ids=())
     out = generate(target, prompts, drafter=drafter, max_new_tokens=12, stop_ids=())
     assert hist == tuple(np.asarray(out.accepted).sum(0).tolist()) and sum(hist) == int(np.asarray(out.steps).sum())
-    card = blocksize.record_acceptance(tmp_path, target, drafter, prompts, prompts_name="two", max_new_tokens=12)
-    assert blocksize.read_card(tmp_path) == card and card.block_size == drafter.cfg.block_size
+    card = blocksize.record_acceptance(tmp_path, target, drafter, prompts, prompts_name="two", max_new_tokens=12,
+                                       stop_ids=())
+    assert blocksize.read_card(tmp_path) == card and card.histogram == hist and card.fits(tmp_path)

@@ -64,15 +64,18 @@ def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tm
     """Batch 1 (the steps' cost flat in the block) and batch 32 (growing with it) choose different blocks from the
     same card; the second choice for a batch measures nothing."""
     target, drafter = tiny_pair
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
     blocksize.write_card(tmp_path, blocksize.Card(block_size=16, histogram=(2,) * 4 + (1,) * 8 + (4,) * 4,
-                                                  temperature=0.0, prompts="p", max_new_tokens=8))
+                                                  temperature=0.0, prompts="p", max_new_tokens=8,
+                                                  weights=blocksize.weights_digest(tmp_path)))
     costs = {1: {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}, 32: {1: 1.0, 2: 1.4, 4: 2.2, 8: 3.8, 16: 7.0}}
     measured = []
 
     def fake_measure(target, drafter, prompts, *, batch, blocks, calibrate, **kw):
-        measured.append(batch)
-        assert blocks == (1, 2, 4, 8, 16) and not calibrate  # the card gives the acceptance
-        return step_cost.StepCosts(costs=costs[batch], histogram=None, seconds=3.0)
+        measured.append((batch, calibrate))
+        assert blocks == (1, 2, 4, 8, 16)
+        return step_cost.StepCosts(costs=costs[batch], histogram=(0,) * 15 + (5,) if calibrate else None,
+                                   seconds=3.0)
 
     monkeypatch.setattr(step_cost, "measure", fake_measure)
     kw = dict(key=("t", "d", "float32"), draft_dir=tmp_path, max_new_tokens=8)
@@ -83,7 +86,14 @@ def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tm
     assert one == blocksize.choose_block(card.acceptance, costs[1], batch=1, source=one.source)
     assert "from acceptance.json (p); step costs measured in 3.0 s, 5 programs compiled" in one.reason()
     again, c = step_cost.choose(target, drafter, [[5, 6]], batch=1, **kw)
-    assert measured == [1, 32] and c.cached and again.block == one.block and "remembered" in again.reason()
+    assert measured == [(1, False), (32, False)] and c.cached and again.block == one.block
+    assert "remembered" in again.reason()
+    # a retrained drafter makes the card stale: calibrated here instead (every draft accepted: block 16), and said
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    stale, _ = step_cost.choose(target, drafter, [[5, 6]], batch=32, **kw)
+    assert measured[-1] == (32, True) and stale.block == 16
+    assert "calibrated on these prompts (5 steps at block 16) (acceptance.json unused: recorded for other " \
+           "weights)" in stale.reason()
 
 
 @pytest.mark.slow
