@@ -486,6 +486,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
         peer_list = [m for m in methods if isinstance(m, peers.Peer)]
         loops, params = {}, {}
         for m in loop_methods:
+            progress.set_postfix_str(f"{workload} c={conc}: building {m.name}")  # the phases the bar does not count
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids)
             loops[m], params[m] = method_loop(target, *runtime.proposer_for(m, target, drafter), spec, mesh,
@@ -507,9 +508,11 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
         runs |= {p: peers.runner(p, peer_models, [[prompts[i] for i in rows] for rows in batches],
                                  max_new_tokens=args.max_new_tokens, stop_ids=eos, sampling=sampling, seed=args.seed)
                  for p in peer_list}
+        progress.set_postfix_str(f"{workload} c={conc}: compiling and warming {len(runs)} methods (before the runs)")
         timing = measure(runs, len(padded), args.repeats, progress=show, floors=floors)
         phase = {}  # [steps, 3] per method: each profiled step's draft / verify / commit seconds
         for m in loop_methods:
+            progress.set_postfix_str(f"{workload} c={conc}: profiling {m.name}'s phases (after the timed runs)")
             phase[m] = np.concatenate([np.zeros((0, 3))] + [
                 profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
                 for b in range(min(args.profile_batches, len(padded)))])
