@@ -10,6 +10,7 @@ on-device loop, warm, repeated, interleaved). With no flags it runs the small mo
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
@@ -24,7 +25,7 @@ from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import PositionWarning, position_warning, stream
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.text import TextStream
-from dflash_jax.perf import bench
+from dflash_jax.perf import bench, step_cost
 
 SPEC_KEYS = ("method", "model", "num_speculative_tokens")
 MTP_DEFAULT_STEPS = 3
@@ -35,7 +36,8 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
     ``--draft-model``/``--block-size``. (``runtime.parse_method`` reads a method string such as ``mtp:3``.)
 
     ``draft_block`` is the drafter's block size (None without a drafter). Settings that disagree,
-    or that the chosen method would not use, are refused rather than dropped.
+    or that the chosen method would not use, are refused rather than dropped. ``--block-size auto`` (None)
+    reads as the drafter's block here; ``cmd_generate`` then picks the block by cost (``auto_block``).
     """
     if spec is None:
         if args.block_size == 1:
@@ -235,6 +237,16 @@ def cmd_generate(args) -> int:
     for i, p in enumerate(prompts):
         if (message := position_warning(target.cfg, [len(p)], args.max_new_tokens)) is not None:
             print(f"dflash-jax: warning: prompt {i + 1}: {message}", file=sys.stderr, flush=True)
+    choice = None
+    if req.method.kind == "dflash" and auto_block(args):  # --block-size auto: the block chosen by cost
+        choice, _ = step_cost.choose(target, drafter, prompts, batch=len(prompts), draft_dir=req.draft_dir,
+                                     key=(str(req.model_dir), str(req.draft_dir), dtype),
+                                     max_new_tokens=args.max_new_tokens, sampling=req.sampling, seed=args.seed,
+                                     mesh=mesh)
+        chosen = runtime.AR if choice.block == 1 else runtime.Method("dflash", choice.block)
+        req = dataclasses.replace(req, method=chosen)
+        if not args.quiet:
+            print(f"[{choice.reason()}]", file=sys.stderr, flush=True)
     proposer, pparams = runtime.proposer_for(req.method, target, drafter)
     kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
               max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
@@ -262,7 +274,8 @@ def cmd_generate(args) -> int:
     if args.json:
         print(json.dumps(dict(model=str(req.model_dir), drafter=None if drafter is None else str(req.draft_dir),
                               method=req.method.name, block=req.method.block, dtype=dtype,
-                              backend=jax.default_backend(), completions=records, timings=timings), indent=1))
+                              backend=jax.default_backend(), completions=records, timings=timings,
+                              block_choice=choice and choice.as_dict()), indent=1))
     bad = [i + 1 for i, r in enumerate(records) if r["finish_reason"] == "nonfinite"]
     if bad:
         print(f"dflash-jax: error: prompt {', '.join(map(str, bad))}: the target's logits became non-finite (NaN or "
@@ -270,6 +283,23 @@ def cmd_generate(args) -> int:
               f"(bfloat16 overflows sooner) or a larger --temperature.", file=sys.stderr)
         return 1
     return 0
+
+
+def block_size_flag(text: str) -> int | None:
+    """``--block-size``: a number, or ``auto`` (None: chosen by cost, ``auto_block``)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or an integer, got {text!r}") from None
+
+
+def auto_block(args) -> bool:
+    """Whether the DFlash block is left to ``--block-size auto``: no --block-size number, and no
+    num_speculative_tokens in --speculative-config."""
+    spec = parse_speculative_config(args.speculative_config) if args.speculative_config else {}
+    return args.block_size is None and spec.get("num_speculative_tokens") is None
 
 
 def add_parser(sub) -> None:
@@ -285,8 +315,10 @@ def add_parser(sub) -> None:
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                    f"(MTP default: {MTP_DEFAULT_STEPS})")
-    g.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
-                   "drafter's block size")
+    g.add_argument("--block-size", type=block_size_flag, default=None, metavar="{auto,N}",
+                   help="tokens per verify step (1 = plain decoding; vLLM/SGLang's speculative tokens + 1); auto "
+                        "(default): the block with the most expected tokens/s for this batch, from the drafter's "
+                        "acceptance (its acceptance.json, or a short calibration run) and step costs measured here")
     g.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt (at most)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: draw from the most likely tokens "
