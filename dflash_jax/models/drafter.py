@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -28,7 +29,9 @@ from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels import dispatch
 from dflash_jax.models.layers import MLP, Linear, RMSNorm, SplitModel, attention
 from dflash_jax.models.rope import rotate, rows, table
-from dflash_jax.models.target import param_dtype
+from dflash_jax.models.target import check_layers, param_dtype
+
+_LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
@@ -243,6 +246,7 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
     check_fits(cfg, target.cfg)
     dtype = target.dtype if dtype is None else param_dtype(dtype)
     kernels = target.kernels if kernels is None else kernels
+    check_layers(cfg.num_hidden_layers, checkpoint.checkpoint_files(path), path, _LAYER_KEY)  # before building
     model = nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0)))
     # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.
     ignore = [r"(model\.)?embed_tokens\.", r"lm_head\."]

@@ -355,7 +355,7 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         target = Target(cfg, graphdef, checkpoint.restore_params(path / CONVERTED / "params", abstract))
         return target if quantized is None else quant.convert(target, quantized)
     files = checkpoint.checkpoint_files(path)
-    _check_layers(cfg, files, path)  # before the model is built: a wrong layer count fails in a moment
+    check_layers(cfg.num_hidden_layers, files, path)  # before the model is built: a wrong layer count fails in a moment
     has_mtp = any(k.startswith("mtp.") for k in files)
     use_mtp = bool(cfg.mtp_num_hidden_layers) and (has_mtp if mtp is None else mtp)
     model = _abstract_model(cfg, dtype, use_mtp, kernels)
@@ -381,17 +381,18 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
 _LAYER_KEY = re.compile(r"model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
-def _check_layers(cfg: TargetConfig, keys, path) -> None:
-    """Refuses a checkpoint whose decoder layers are not exactly config.json's 0..num_hidden_layers - 1."""
-    held = sorted({int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))})
-    if held != list(range(cfg.num_hidden_layers)):
-        extra = [i for i in held if i >= cfg.num_hidden_layers]
-        missing = sorted(set(range(cfg.num_hidden_layers)) - set(held))
+def check_layers(num_layers: int, keys, path, pattern: re.Pattern = _LAYER_KEY) -> None:
+    """Refuses a checkpoint whose decoder layers (the keys ``pattern`` numbers) are not exactly config.json's
+    0..num_hidden_layers - 1: found from the key names alone, before a model of that many layers is built."""
+    held = sorted({int(m.group(1)) for k in keys if (m := pattern.match(k))})
+    if held != list(range(num_layers)):
+        extra = [i for i in held if i >= num_layers]
+        missing = sorted(set(range(num_layers)) - set(held))
         what = (f"tensors of {len(held)} decoder layers" + (f" (up to layer {held[-1]})" if held else "")
                 + (f"; missing layers {_spans(missing)}" if missing else "")
                 + (f"; extra layers {_spans(extra)}" if extra else ""))
-        raise checkpoint.CheckpointError(f"{path}: config.json says num_hidden_layers={cfg.num_hidden_layers}, but "
-                                         f"the checkpoint holds {what}")
+        raise checkpoint.CheckpointError(f"{path}: config.json says num_hidden_layers={num_layers}, but the "
+                                         f"checkpoint holds {what}")
 
 
 def _spans(ids: list[int]) -> str:

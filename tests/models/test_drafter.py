@@ -191,7 +191,7 @@ def test_default_target_layer_ids(L, n, ids):
     (dict(num_hidden_layers=3, layer_types=["full_attention"] * 2),
      "layer_types has 2 entries but num_hidden_layers=3"),
     (dict(layer_types=["sliding_attention", "full_attention"]), "layer 0 is sliding_attention but sliding_window"),
-    (dict(layer_types=["full_attention", "linear_attention"]), "unknown layer_types"),
+    (dict(layer_types=["full_attention", "linear_attention"]), r"layer_types\[1\] = 'linear_attention' is not a"),
     (dict(num_key_value_heads=3), "not a multiple of num_key_value_heads=3"),
     (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 4])), r"must lie in 0..num_target_layers-1"),
     (dict(dflash_config=dict(target_layer_ids=[0, 2])), "missing required field 'mask_token_id'"),

@@ -163,3 +163,19 @@ def test_index_and_manifest_paths_outside_the_checkpoint_are_refused_untouched(t
     with pytest.raises(atomic.IntegrityError, match=r"lists '/etc/hostname', which is outside"):
         atomic.verify_manifest(path)
     assert touched == []
+
+
+def test_a_drafter_layer_count_the_checkpoint_does_not_hold_fails_fast(dense, tmp_path):
+    from dflash_jax.models.drafter import init_drafter, load_drafter, save_drafter
+    from dflash_jax.train.drafter import drafter_config
+
+    _, target = dense
+    cfg = drafter_config(target.cfg, num_layers=1, taps=(1, 3), mask_token_id=1, block_size=4, heads=2, kv_heads=1,
+                         head_dim=16, intermediate=32)
+    save_drafter(tmp_path / "d", init_drafter(cfg))
+    raw = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "d" / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 500,
+                                                            "layer_types": ["full_attention"] * 500}))
+    with watchdog(60), pytest.raises(CheckpointError, match="num_hidden_layers=500, but the checkpoint holds tensors "
+                                                            "of 1 decoder layers"):
+        load_drafter(tmp_path / "d", target, progress=False)
