@@ -67,8 +67,10 @@ class Parser(argparse.ArgumentParser):
         if "help" not in kwargs and not _no_default(kwargs.get("default")):
             kwargs["help"] = "(default: %(default)s)"  # argparse prints no help line for an option without help
         action = super().add_argument(*args, **kwargs)
-        if set(action.option_strings) & set(OUTPUT_FLAGS) and "overwrite" not in self._defaults and not any(
-                a.dest == "overwrite" for a in self._actions):  # every writer of a directory takes --overwrite
+        writes = set(action.option_strings) & set(OUTPUT_FLAGS) or (
+            set(action.option_strings) & set(OUTPUT_FILE_FLAGS) and action.nargs != 0)  # not a --json switch
+        if writes and "overwrite" not in self._defaults and not any(
+                a.dest == "overwrite" for a in self._actions):  # every writer of a directory or file: --overwrite
             super().add_argument("--overwrite", action="store_true",
                                  help="write into an existing, non-empty output directory that this command did "
                                       "not write (by default only a new or empty one, or this command's own)")
@@ -143,6 +145,7 @@ def mesh_from_args(args) -> Mesh | None:
 
 # Output directories (the flag's dest) and the input checkpoints (dests) no output may be, hold or lie in.
 OUTPUT_FLAGS = ("--out", "--ckpt-dir")
+OUTPUT_FILE_FLAGS = ("--json",)  # a tool's JSON file, when the flag takes a path
 INPUT_DESTS = ("model", "draft_model", "target", "tokenizer")
 
 
@@ -158,6 +161,12 @@ def check_outputs(args) -> None:
             raise ValueError(f"--out {outputs['--out']} and --ckpt-dir {outputs['--ckpt-dir']} overlap (one is, holds "
                              "or lies in the other): the finished output would replace the checkpoints, or the "
                              "reverse; give separate directories")
+    writer = f"dflash-jax {args.command}"
+    for flag in OUTPUT_FILE_FLAGS:
+        path = getattr(args, flag[2:].replace("-", "_"), None)
+        if isinstance(path, str | os.PathLike):
+            atomic.check_output_file(path, writer=writer, flag=flag, overwrite=getattr(args, "overwrite", False),
+                                     sources=inputs)
     for create in (False, True):  # every output checked before any is created
         for flag, path in outputs.items():
             atomic.claim_directory(path, writer=f"dflash-jax {args.command}", flag=flag, create=create,
@@ -175,7 +184,12 @@ def run(args) -> int:
     """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
     try:
         check_outputs(args)
-        return args.func(args) or 0
+        status = args.func(args) or 0
+        for flag in OUTPUT_FILE_FLAGS:  # the files written are marked as this command's: a rerun may replace them
+            path = getattr(args, flag[2:].replace("-", "_"), None)
+            if isinstance(path, str | os.PathLike) and os.path.isfile(path):
+                atomic.mark_file(path, f"dflash-jax {args.command}")
+        return status
     except (ConfigError, CheckpointError, ValueError, OSError) as e:
         print(f"dflash-jax: error: {e}", file=sys.stderr)
         return 2

@@ -188,6 +188,37 @@ def claim_directory(path: str | Path, *, writer: str, flag: str = "--out", overw
     return real
 
 
+_XATTR = "user.dflash_jax.writer"  # a written file's marker, in its metadata (its content is the user's format)
+
+
+def file_written_by(path: str | Path) -> str | None:
+    """The writer recorded on a file by ``mark_file``; None where there is none (or the file system keeps no
+    extended attributes)."""
+    try:
+        return os.getxattr(path, _XATTR).decode()
+    except (OSError, AttributeError, UnicodeDecodeError):
+        return None
+
+
+def mark_file(path: str | Path, writer: str) -> None:
+    """Records ``writer`` on the file ``path`` (``file_written_by``); silently nothing where unsupported."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setxattr(path, _XATTR, writer.encode())
+
+
+def check_output_file(path: str | Path, *, writer: str, flag: str, overwrite: bool = False, sources=()) -> Path:
+    """An output file (a tool's JSON): new, or one ``writer`` wrote before (``mark_file``), or ``overwrite``;
+    never a directory, nor in an input model's directory. Refusals (``WriteError``) name the flag and the path."""
+    given, real = Path(path).absolute(), _resolved(path)
+    _check_sources(given, real, sources, f"{flag} {given}")
+    if real.is_dir():
+        raise WriteError(f"{flag} {given}: is a directory; give a file name")
+    if real.exists() and not overwrite and file_written_by(real) != writer:
+        raise WriteError(f"{flag} {given}: an existing file that {writer} did not write; refusing to replace it: "
+                         "give a new file name, or --overwrite")
+    return real
+
+
 def _marked(path: Path) -> str:
     writer = written_by(path)
     return f"{writer} wrote it" if writer else f"no {MARKER} in it"

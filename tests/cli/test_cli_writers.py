@@ -120,3 +120,30 @@ def test_bench_out_that_holds_a_user_file_is_refused(tmp_path, capsys):
     err = _fail(capsys, ["bench", "--out", str(out), "--quiet"])
     assert f"--out {out}" in err and "dflash-jax bench did not write" in err
     assert _hash(tmp_path) == before
+
+
+def test_a_tools_json_file_replaces_only_its_own(tmp_path, capsys):
+    """--json OUT of a tool: an existing file it did not write is refused (unchanged) unless --overwrite; the file
+    it writes is marked as its own, so a rerun replaces it."""
+    import argparse
+
+    from dflash_jax.cli import args as cli_args
+
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}')
+    before = _hash(tmp_path)
+    err = _fail(capsys, ["perf-model", "--json", str(mine)])
+    assert f"--json {mine}: an existing file that dflash-jax perf-model did not write" in err and "--overwrite" in err
+    assert _hash(tmp_path) == before
+
+    def tool(args):
+        atomic.write_text(args.json, '{"rows": []}')
+
+    out = tmp_path / "rows.json"
+    ns = dict(command="perf-model", json=str(out), func=tool, overwrite=False)
+    assert cli_args.run(argparse.Namespace(**ns)) == 0
+    if atomic.file_written_by(out) is None:
+        pytest.skip("this file system keeps no extended attributes")
+    assert cli_args.run(argparse.Namespace(**ns)) == 0  # a rerun replaces its own file
+    assert cli_args.run(argparse.Namespace(**{**ns, "json": str(mine), "overwrite": True})) == 0
+    assert json.loads(mine.read_text()) == {"rows": []}
