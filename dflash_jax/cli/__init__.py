@@ -52,6 +52,3 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     return run(build_parser().parse_args(argv))
 
-
-if __name__ == "__main__":
-    sys.exit(main())
