@@ -10,7 +10,6 @@ front end over the library, and ``python -m dflash_jax.cli.<module>`` runs one o
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dflash_jax.cli.args import Parser, run, version
 
@@ -31,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
         regime,
         scaling,
         serve,
+        serve_bench,
         sharding_report,
         ship,
         step_profile,
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_parser(sub)
     # then the developer tools: the shipped models' pipeline, the performance measurements and reports
     for tool in (ship, perf_model, regime, scaling, step_profile, quant_report, sharding_report, kernel_report,
-                 kernel_bench, gpu_check, compile):
+                 kernel_bench, gpu_check, compile, serve_bench):
         tool.add_parser(sub)
     return parser
 
