@@ -42,6 +42,9 @@ def _settings(args):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.distributed or args.coordinator_address or args.num_processes or args.process_id is not None:
+        raise ValueError("serve runs in one process: its mesh is this process's devices (--tensor-parallel-size, "
+                         "--data-parallel-size, --expert-parallel-size); --distributed and its flags are not supported")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
@@ -65,13 +68,14 @@ def _settings(args):
     return model_dir, draft_dir, method, max_len, cfg
 
 
-def build(args, mesh=None):
-    """(Served, the app) for the flags: models loaded, the engine built (and compiled unless --no-warmup)."""
+def build(args, mesh=None, settings=None):
+    """(Served, the app) for the flags (``settings``: ``_settings(args)`` when already checked): models loaded,
+    the engine built (and compiled unless --no-warmup)."""
     from dflash_jax.decoding.loop import SpeculativeLoop
     from dflash_jax.serve.app import Served, create_app
     from dflash_jax.serve.engine import Engine, spec_for
 
-    model_dir, draft_dir, method, max_len, cfg = _settings(args)
+    model_dir, draft_dir, method, max_len, cfg = settings or _settings(args)
     dtype = args.dtype or runtime.default_dtype()
     target, drafter = runtime.load_models(model_dir, draft_dir, [method], dtype=runtime.DTYPES[dtype],
                                           progress=False, mesh=mesh)
@@ -101,9 +105,11 @@ def build(args, mesh=None):
 def cmd_serve(args) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    mesh = cli_args.mesh_from_args(args)
-    _, app = build(args, mesh)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    log.setLevel(logging.INFO)  # this server's notes; other libraries' (JAX's backend probing) only when warnings
+    settings = _settings(args)  # every flag checked before processes are joined or weights loaded
+    _, app = build(args, cli_args.mesh_from_args(args), settings)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=None)
     return 0
 

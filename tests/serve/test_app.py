@@ -7,11 +7,13 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from serve_fixtures import running
 
 from dflash_jax.decoding import runtime
+from dflash_jax.perf import serve_load
 
 MAX_LEN = 128
 SLOTS = 2
@@ -187,3 +189,21 @@ def test_clients_times_requests_all_complete_and_counted(server):
     assert after["requests"] - before["requests"] == clients * each
     assert after["completion_tokens"] - before["completion_tokens"] == sum(8 + m for _ in range(clients)
                                                                            for m in range(each))
+
+
+def test_load_generator_counts_what_the_server_served(server):
+    """``perf.serve_load`` (what ``dflash-jax serve-bench`` runs): its counts and acceptance are the server's."""
+    before = _wait_idle(server)
+    out = serve_load.run(server.base_url, "tiny", [PROMPT, PROMPT + "    "], concurrency=2, max_tokens=6)
+    after = _wait_idle(server)
+    assert out["requests"] == 2
+    assert out["output_tokens"] == after["completion_tokens"] - before["completion_tokens"]
+    records = after["finished"][len(before["finished"]):]
+    assert out["accept_length"] == pytest.approx(np.mean([n / s for n, s, _ in records]), abs=1e-3)
+    assert 0 < out["ttft_ms_p50"] <= out["ttft_ms_p99"] and 0 < out["tpot_ms_p50"] <= out["tpot_ms_p99"]
+
+
+def test_percentile_is_numpys_linear():
+    values = list(np.random.default_rng(0).exponential(size=37))
+    for q in (0, 50, 90, 99, 100):
+        assert serve_load.percentile(values, q) == pytest.approx(np.percentile(values, q))

@@ -26,6 +26,7 @@ TIMEOUT_S = 300
     (["--speculative-config", "{"], "--speculative-config is not valid JSON"),
     (["--block-size", "99"], "exceed the drafter's block size"),
     (["--port", "70000"], "--port must be in 0..65535"),
+    (["--num-processes", "2"], "serve runs in one process"),
 ])
 def test_bad_flags_are_refused_before_loading(flags, needle, capsys):
     assert main(["serve", *flags]) == 2

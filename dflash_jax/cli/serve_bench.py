@@ -1,0 +1,91 @@
+"""``dflash-jax serve-bench``: running servers (``dflash-jax serve``, one per configuration) timed side by side with
+``perf.serve_load``: output tokens/s, time to first token and per output token (p50/p99), acceptance length,
+at each concurrency, over a workload's prompts (HumanEval by default), the servers interleaved round by round
+and each figure the median over rounds."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import urllib.request
+
+from dflash_jax.cli import args as cli_args
+from dflash_jax.decoding import runtime, workloads
+from dflash_jax.io import atomic
+from dflash_jax.perf import serve_load
+
+FIGURES = ("tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "accept_length")
+
+
+def _servers(items: list[str]) -> list[tuple[str, str, str]]:
+    """(label, base URL, served model name) per ``--server LABEL=URL``."""
+    out = []
+    for item in items:
+        label, sep, url = item.partition("=")
+        if not sep or not label or not url.startswith("http://"):
+            raise ValueError(f"--server {item!r}: expected LABEL=http://HOST:PORT")
+        try:
+            with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as r:
+                model = json.load(r)["data"][0]["id"]
+        except OSError as e:
+            raise ValueError(f"--server {item}: no server answers ({e})") from None
+        out.append((label, url.rstrip("/"), model))
+    return out
+
+
+def cmd_serve_bench(args) -> int:
+    if not args.server:
+        raise ValueError("give at least one --server LABEL=URL")
+    if args.rounds < 1 or args.num_prompts < 1 or args.max_tokens < 1:
+        raise ValueError("--rounds, --num-prompts and --max-tokens must be >= 1")
+    servers = _servers(args.server)
+    tokenizer = runtime.load_tokenizer(args.tokenizer or runtime.ASSETS / "target", "--tokenizer")
+    texts = [t for t in workloads.load_turns(args.workload, args.prompts, None)
+             if len(tokenizer.encode(t, add_special_tokens=False)) <= args.max_prompt_tokens]
+    if not texts:
+        raise ValueError(f"no {args.workload} prompt has at most --max-prompt-tokens {args.max_prompt_tokens} tokens")
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for c in args.concurrency:  # warm: each server's programs and connections, at each concurrency
+        for _, url, model in servers:
+            serve_load.run(url, model, texts[:c], concurrency=c, max_tokens=args.max_tokens)
+    for r in range(args.rounds):
+        for c in args.concurrency:
+            n = max(args.num_prompts, c)
+            batch = [texts[(r * n + i) % len(texts)] for i in range(n)]
+            for label, url, model in servers:
+                runs.setdefault((label, c), []).append(
+                    serve_load.run(url, model, batch, concurrency=c, max_tokens=args.max_tokens))
+    rows = []
+    print("| server | concurrency | tok/s | TTFT p50 / p99 (ms) | per token p50 / p99 (ms) | accept length |")
+    print("|---|---|---|---|---|---|")
+    for (label, c), results in runs.items():
+        med = {k: statistics.median(r[k] for r in results) if results[0][k] is not None else None for k in FIGURES}
+        rows.append(dict(server=label, concurrency=c, rounds=results, **med))
+        accept = "-" if med["accept_length"] is None else f"{med['accept_length']:.2f}"
+        print(f"| {label} | {c} | {med['tokens_per_s']:.1f} | {med['ttft_ms_p50']:.0f} / {med['ttft_ms_p99']:.0f} | "
+              f"{med['tpot_ms_p50']:.1f} / {med['tpot_ms_p99']:.1f} | {accept} |", flush=True)
+    if args.json:
+        atomic.write_text(args.json, json.dumps(rows, indent=1))
+    return 0
+
+
+def add_parser(sub) -> None:
+    """Registers ``serve-bench`` on the ``dflash-jax`` subcommands."""
+    p = sub.add_parser("serve-bench", help="time running servers side by side (tok/s, TTFT, per-token latency)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
+                   help="a running server to time (repeatable), e.g. dflash=http://127.0.0.1:8000")
+    p.add_argument("--concurrency", type=cli_args.ints, default="1,32", help="comma-separated client concurrencies")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests per run (at least the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; figures are medians over them")
+    p.add_argument("--workload", choices=workloads.WORKLOADS, default="humaneval")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="the workload's prompts from a file (z-lab's format)")
+    p.add_argument("--tokenizer", help="tokenizer that sizes the prompts (default: the shipped target's)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256, help="skip prompts longer than this")
+    p.add_argument("--json", metavar="OUT", help="also write every run as JSON to OUT")
+    p.set_defaults(func=cmd_serve_bench)
+
+
+if __name__ == "__main__":
+    cli_args.script(add_parser)
