@@ -1,16 +1,18 @@
-"""The loop's programs as the TPU compiler builds them, on a CPU host: memory, FLOPs, bytes and time per chip.
+"""The loop's programs as the TPU (or GPU) compiler builds them, on a CPU host: memory, FLOPs, bytes, time per chip.
 
 Where it sits: among the measurement tools, on top of the loop (``SpeculativeLoop``), the sharding tables
-and ``synthetic``'s abstract models. Nothing runs and nothing is allocated: libtpu's compiler (``jax[tpu]``)
-is handed compile-only TPU devices of a named topology (``jax.experimental.topologies``), each program is
-lowered from ``jax.ShapeDtypeStruct`` arguments placed on them (one chip, or a tensor-parallel mesh by the
-project's own layouts) and compiled; the compiled program reports its per-device memory
-(``memory_analysis``: arguments, outputs, aliased, temporaries) and its cost (``cost_analysis``: FLOPs,
-bytes accessed and the compiler's own ``optimal_seconds``). The programs are the loop's phases at one
-(batch, block, context): ``decode(1)`` (a plain-decoding step: verify T=1, accept, commit), ``verify(B)``
-(the DFlash check: the target over the block), ``settle`` (accept, commit target and drafter), ``draft``,
-``step`` (the three in one) and ``loop`` (the whole on-device ``decode`` while-loop). ``docs/compile.md``
-holds the 27B / 35B-A3B table and what departs from the physics.
+(``parallel``) and ``synthetic``'s abstract models. Nothing runs and nothing is allocated: libtpu's compiler
+(``jax[tpu]``) is handed compile-only TPU devices of a named topology (``jax.experimental.topologies``), or the
+CUDA plugin compile-only GPUs of a target config (``gpu_devices``); each program is lowered from
+``jax.ShapeDtypeStruct`` arguments placed on them (one chip, or a tensor-parallel mesh by the project's own
+layouts) and compiled. The compiled program reports its per-device memory (``memory_analysis``: arguments,
+outputs, aliased, temporaries) and cost (``cost_analysis``: FLOPs, bytes accessed and the TPU compiler's own
+``optimal_seconds``; the GPU compiler reports none, and the lowered program's counts stand in). The programs
+are the loop's phases at one (batch, block, context): ``decode`` (a plain-decoding step: verify T=1, accept,
+commit), ``verify`` (the DFlash check, the target over the block, its state donated as inside ``step``),
+``settle`` (accept, commit target and drafter), ``draft``, ``step`` (the three in one), ``loop`` (the on-device
+``decode`` while-loop) and ``run`` (prefill and the loop: the whole generate). ``docs/compile.md`` holds the
+27B / 35B-A3B table and what departs from the physics.
 """
 
 from __future__ import annotations
@@ -118,6 +120,12 @@ def _on(tree, device_sharding):
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device_sharding), tree)
 
 
+# The check phase as it runs inside ``step``: its state donated. Alone (``SpeculativeLoop.check`` does not donate)
+# the compiler must copy every K/V cache before writing the block's rows into it, a whole cache's bytes per
+# attention layer that the loop never moves.
+_DONATED_CHECK = jax.jit(SpeculativeLoop.check, static_argnums=0, donate_argnums=2)
+
+
 def programs(setup: Setup) -> dict[str, tuple]:
     """name -> (jitted phase, its abstract arguments, target tokens per row), ready for ``.lower``."""
     s = setup
@@ -157,7 +165,7 @@ def programs(setup: Setup) -> dict[str, tuple]:
         draft, verified = _on(draft, one), _on(verified, one)
     return {
         "decode": (SpeculativeLoop.step, (loops["plain"], *args["plain"][:2]), 1),
-        "verify": (SpeculativeLoop.check, (loop, params, state, draft), s.block),
+        "verify": (_DONATED_CHECK, (loop, params, state, draft), s.block),
         "settle": (SpeculativeLoop.settle, (loop, params, state, draft, verified), 0),
         "draft": (SpeculativeLoop.draft, (loop, params, state), 0),
         "step": (SpeculativeLoop.step, (loop, params, state), s.block),
