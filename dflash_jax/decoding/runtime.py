@@ -75,7 +75,7 @@ def model_dir(text: str, flag: str) -> Path:
                          f"local files only). Download it first, e.g. `huggingface-cli download {text}`, then pass "
                          f"the folder it prints (or keep it in the Hugging Face cache, {hub_cache()}, where "
                          f"{flag} {text} finds it)")
-    raise ValueError(f"{flag} {text}: no such directory")
+    return path  # absent: the config read that follows names it
 
 
 def resolve_dtype(flag: str | None, model_dir: Path) -> str:

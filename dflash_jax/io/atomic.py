@@ -245,7 +245,7 @@ def check_replaceable(path: str | Path, *, replaces: Callable[[Path], bool] | No
     guarded = writer is not None or replaces is not None
     if guarded and not overwrite and path.is_dir() and any(path.iterdir()) and written_by(path) != writer and not (
             replaces is not None and replaces(path)):
-        whose = f"that {writer} did not write ({_marked(path)})" if writer else f"that is not a {what}"
+        whose = f"that {writer} did not write ({_marked(path)})" if replaces is None else f"that is not a {what}"
         raise WriteError(f"{name} is a non-empty directory {whose}; refusing to replace it: write to a new or empty "
                          "directory" + (", or pass --overwrite" if writer else ""))
     check_writable(path.parent)

@@ -256,12 +256,14 @@ def load_state(
         got = plan.get(canon)
         floating = jax.numpy.issubdtype(spec.dtype, jax.numpy.floating)
         for ent in [] if got is None else [got] if isinstance(got, _Entry) else got.values():
-            # A float parameter reads any float storage (cast); anything else (MXFP4 codes and scales: raw
-            # bytes) only its own dtype: a cast would change the values it encodes.
+            # A float parameter reads any float storage (cast), an integer one any integer storage (range checked
+            # as read); raw bytes (uint8: MXFP4 codes and scales) only their own dtype: a cast changes what they
+            # encode.
             if floating and not jax.numpy.issubdtype(ent.dtype, jax.numpy.floating):
                 problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but "
                                 f"{canon!r} is a floating-point parameter")
-            elif not floating and ent.dtype != np.dtype(spec.dtype):
+            elif not floating and (ent.dtype != np.dtype(spec.dtype) if np.dtype(spec.dtype) == np.uint8
+                                   else ent.dtype.kind not in "iu"):
                 problems.append(f"{ent.key!r} in {ent.file}: stored as {_DTYPE_NAMES[ent.dtype]}, but {canon!r} "
                                 f"must be {_DTYPE_NAMES.get(np.dtype(spec.dtype), np.dtype(spec.dtype).name)} "
                                 "(its bytes are read as they are, never cast)")
@@ -309,7 +311,11 @@ def load_state(
         for canon in order:
             spec, dtype = plan[canon], expected[canon].dtype
             if isinstance(spec, _Entry):
-                host = _read(handle(spec.file), spec).astype(dtype, copy=False)
+                stored = _read(handle(spec.file), spec)
+                host = stored.astype(dtype, copy=False)
+                if host.dtype.kind in "iu" and host is not stored and not np.array_equal(host, stored):
+                    raise CheckpointError(f"{spec.file}: {spec.key!r} holds values outside {np.dtype(dtype).name}, "
+                                          f"the dtype of {canon!r}")
             else:
                 host = np.empty(expected[canon].shape, dtype)  # filled expert by expert
                 half = host.shape[1] // 2  # gate rows first, then up rows

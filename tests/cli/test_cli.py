@@ -383,11 +383,35 @@ def test_no_import_cycle_between_cli_and_bench():
 
 
 @shipped
-def test_nonfinite_logits_are_an_error_not_a_stop(capsys):
-    """A temperature so small that logits / T overflow: exit 1 with one message, never a normal 'stop'."""
-    argv = ["generate", "def f(", "--temperature", "1e-38", "--max-new-tokens", "4", "--no-compare", "--quiet",
-            "--json"]
+def test_nonfinite_logits_are_an_error_not_a_stop(capsys, tmp_path):
+    """An LM head of finite float32 weights (3e37) whose logits overflow to inf: exit 1 with one message, never a
+    normal 'stop'. (A temperature whose 1/T overflows is refused before decoding: exit 2.)"""
+    import dataclasses
+    import shutil
+
+    import numpy as np
+
+    from dflash_jax.io import checkpoint
+    from dflash_jax.models.layers import hf_tensors
+    from dflash_jax.models.target import init_target
+    from dflash_jax.train import lm
+
+    cfg = dataclasses.replace(lm.small_config(vocab_size=512, eos_id=0, hidden=32, layers=4, intermediate=64, heads=2,
+                                              kv_heads=1, head_dim=16, linear_key_heads=1, linear_value_heads=2,
+                                              linear_head_dim=16, mtp_layers=0), tie_word_embeddings=False)
+    tensors = dict(hf_tensors(cfg, init_target(cfg, seed=0).params))
+    signs = np.random.default_rng(0).choice([-1.0, 1.0], tensors["lm_head.weight"].shape)
+    tensors["lm_head.weight"] = (3e37 * signs).astype(np.float32)  # finite weights; their dot products are not
+    model = tmp_path / "overflow"
+    model.mkdir()
+    checkpoint.write_safetensors(model / "model.safetensors", tensors)
+    (model / "config.json").write_text(json.dumps(lm.hf_config(cfg)))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(ASSETS / "target" / name, model / name)
+    argv = ["generate", "def f(", "--model", str(model), "--max-new-tokens", "4", "--no-compare", "--quiet", "--json",
+            "--ignore-eos"]
     assert cli.main(argv) == 1
     out = capsys.readouterr()
     assert json.loads(out.out)["completions"][0]["finish_reason"] == "nonfinite"
     assert out.err.startswith("dflash-jax: error: prompt 1: the target's logits became non-finite")
+    assert "temperature 1e-38 is too small" in _error(capsys, ["generate", "x", "--temperature", "1e-38"])
