@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import loop as gen
 from dflash_jax.decoding import sampling
-from dflash_jax.decoding.api import bucket_for, generate, make_generate, pad_prompts, stream
+from dflash_jax.decoding.api import bucket_for, generate, make_generate, pad_prompts, position_warning, stream
 from dflash_jax.decoding.loop import FinishReason, SpecConfig
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
 from dflash_jax.decoding.sampling import SamplingConfig, probs
@@ -267,12 +267,14 @@ def test_warns_past_max_position_embeddings(hf_dense):
         fn = make_generate(short, NoProposer(), SpecConfig(block_size=1, max_new_tokens=max_new, stop_ids=()))
         jax.eval_shape(fn, (short.params, ()), tokens, lengths, 0)
 
-    with pytest.warns(UserWarning, match="prompt bucket 16 \\+ max_new_tokens 8 = 24 exceeds the target's "
-                                         "max_position_embeddings 20"):
-        trace(8)
+    # The real lengths decide, not the bucket: 2 tokens (bucket 16) + 8 fit in 20; concrete prompts are checked
+    # as they are given (api._inputs; tests/decoding/test_api_checks.py), a traced call warns of nothing.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trace(4)
+        trace(8)
+    assert position_warning(short.cfg, lengths, 8) is None
+    assert "the longest prompt (2 tokens) + max_new_tokens 19 = 21 exceeds the target's max_position_embeddings " \
+           "20" in position_warning(short.cfg, lengths, 19)
 
 
 def _with_nan_embedding(target, token):
