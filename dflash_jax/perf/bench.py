@@ -745,7 +745,10 @@ TIMING = ("tokens_per_s: tokens after the first / seconds of the loop's compiled
           "their own shapes, each weight a distinct buffer of its real size (roofline.step_floor_timer), one "
           "window right after each timed run; floor_x: the median over timed runs of the run's step time over "
           "the floor timed next to it. tau: mean over rows of tokens committed "
-          "per target step.")
+          "per target step. auto: the row of the block --block-size auto chose for this concurrency "
+          "(block_choice: expected tokens/step, measured ms/step and tokens/s per candidate block). Peers (hf:ar, "
+          "zlab:B; peer: true): PyTorch, rows one at a time, timed by the same measure; their decode seconds start "
+          "when the first new token exists; loop_step_ms: decode seconds / target steps.")
 
 
 def random_models(args, methods):

@@ -3,23 +3,25 @@
 Sits in the measurement layer between the decoding core's choice (``decoding.blocksize``: pure, from
 acceptance and costs) and the front ends (``dflash-jax generate`` and ``bench``). For each candidate
 block it builds the loop of that block as every timed run does (``bench.method_loop``) and times
-``blocksize.run_steps`` (the loop's own init, then its step in a device loop) with 1 and with ``STEPS``
-steps: the difference over ``STEPS - 1`` is one step as the fused decode loop runs it, with prefill and
-every call's fixed cost (dispatch, argument handling, the wait) left out. Warm (each program runs
-untimed first: its compilation), interleaved (blocks in alternating order, round by round, so the
-machine's drift hits all alike), the median over ``REPEATS`` rounds. The timed runs step exactly as
-often as asked (a finished row's step does the same work), with no stop ids and room for
-``max(max_new_tokens, (STEPS + 1) * block)`` tokens.
+``blocksize.run_steps`` (the loop's own init, then its step in a device loop) with 1 step and with
+enough steps to last ``WINDOW`` (at least ``STEPS``): the difference per extra step is one step as the
+fused decode loop runs it, with prefill and every call's fixed cost (dispatch, argument handling, the
+wait) left out. Warm (each program runs untimed first: its compilation), interleaved (blocks in
+alternating order, round by round, so the machine's drift hits all alike), the median over ``REPEATS``
+rounds. The timed runs step exactly as often as asked (a row that reached its length steps on, doing
+the same work), with no stop ids.
 
 Where the drafter has no acceptance card the largest block's program, run once to its end, is the
 calibration too (its histogram of accepted drafts). Results are kept in memory per (model key, batch,
 backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing.
-What it costs: one compilation per candidate block (plus the runs: ~(1 + STEPS) x REPEATS steps each).
+What it costs: one compilation per candidate block, plus ~REPEATS x WINDOW of runs each (about 5 s for
+five blocks on a quiet machine; the reason line says how long it took).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 
@@ -33,8 +35,12 @@ from dflash_jax.decoding.loop import SpecConfig
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.perf.bench import method_loop
 
-STEPS = 4  # steps in the long run; the short run has 1
-REPEATS = 3  # rounds; each block's cost is the median of its per-round differences
+STEPS = 4  # the fewest steps in the long run; the short run has 1
+WINDOW = 0.2  # seconds: the long run steps until about this long (at most MAX_STEPS), so that a busy machine's
+# preemptions (milliseconds to tens of them) are a small part of it: with 4 steps of a 2 ms plain step they
+# were most of it (49 ms read for a 2 ms step on a 2-core machine at load 16)
+MAX_STEPS = 512
+REPEATS = 5  # rounds; each block's cost is the median of its per-round differences
 _MEMO: dict = {}
 
 
@@ -66,8 +72,7 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
     programs = {}
     for block in blocks:
         method = runtime.AR if block == 1 else runtime.Method("dflash", block)
-        spec = SpecConfig(block_size=block, max_new_tokens=max(max_new_tokens, (steps + 1) * block),
-                          sampling=sampling, stop_ids=())
+        spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=())
         loop, params = method_loop(target, *runtime.proposer_for(method, target, drafter), spec, mesh)
         programs[block] = (loop, params)
 
@@ -76,10 +81,13 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         return jax.block_until_ready(blocksize.run_steps(loop, params, tokens, lengths, seed, jnp.int32(n),
                                                          jnp.bool_(until_done)))
 
-    histogram = None
-    for block in blocks:  # untimed: each program's compilation, and a warm run of the long count
+    histogram, long = None, {}
+    for block in blocks:  # untimed: each program's compilation, then a warm run that sizes the long run
         run(block, 1)
+        t0 = clock()
         run(block, steps)
+        per_step = max((clock() - t0) / steps, 1e-9)  # an upper bound: the run's fixed costs included
+        long[block] = min(max(steps, math.ceil(WINDOW / per_step)), MAX_STEPS)
     if calibrate:
         histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
     diffs = {b: [] for b in blocks}
@@ -87,13 +95,13 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
     for r in range(repeats):
         for block in (order if r % 2 == 0 else order[::-1]):
             times = {}
-            for n in (1, steps) if r % 2 == 0 else (steps, 1):
+            for n in (1, long[block]) if r % 2 == 0 else (long[block], 1):
                 t0 = clock()
                 run(block, n)
                 times[n] = clock() - t0
-            diffs[block].append((times[steps] - times[1]) / (steps - 1))
+            diffs[block].append((times[long[block]] - times[1]) / (long[block] - 1))
             if diffs[block][-1] <= 0:  # noise larger than the steps: the long run per step bounds it above
-                diffs[block][-1] = times[steps] / steps
+                diffs[block][-1] = times[long[block]] / long[block]
     costs = {b: statistics.median(d) for b, d in diffs.items()}
     return StepCosts(costs=costs, histogram=histogram, seconds=clock() - start)
 

@@ -60,6 +60,18 @@ def test_a_step_costs_the_difference_of_the_long_and_short_runs_without_compile_
     assert {c[3] for c in device.calls} == {3} and not any(c[2] for c in device.calls[7:])
 
 
+def test_a_cheap_step_is_timed_over_a_window_long_enough_for_a_busy_machine(tiny_pair, monkeypatch):
+    target, drafter = tiny_pair
+    device = FakeDevice({1: 0.001, 16: 0.004}, fixed=0.0, prefill=0.0)
+    monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
+    got = step_cost.measure(target, drafter, [[5, 6, 7]], batch=1, blocks=(1, 16), max_new_tokens=8,
+                            clock=device.clock)
+    assert got.costs == pytest.approx({1: 0.001, 16: 0.004})
+    longest = {b: max(n for blk, n, _, _ in device.calls if blk == b) for b in (1, 16)}
+    for block, cost in ((1, 0.001), (16, 0.004)):  # the warm run's time per step sizes the long run
+        assert abs(longest[block] - step_cost.WINDOW / cost) <= 1
+
+
 def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tmp_path):
     """Batch 1 (the steps' cost flat in the block) and batch 32 (growing with it) choose different blocks from the
     same card; the second choice for a batch measures nothing."""
