@@ -74,11 +74,12 @@ def _release_compiled_programs_past_mappings():
 
 
 # The files that take longest, longest first (CPU seconds on 2 cores, 2026-12-01: 308 (its 8-device
-# subprocess), 276, 105, 101, 87, 83, 75, 55; every other file < 50). They run first, the rest in file
+# subprocess), 276, 105, 101, 87, 83, 75, 55; every other file < 50;
+# 2026-12-03: tests/serve's test_engine.py 80, test_zlab_client.py 78). They run first, the rest in file
 # order: under xdist (one file per worker at a time, addopts) no worker is left alone with one of them at
 # the end, which the file-size order xdist uses by default did (test_train_ship.py, 2 tests, ran last).
 FIRST = ("test_parallel.py", "test_loop.py", "test_train_ship.py", "test_quant.py", "test_bench.py",
-         "test_notebooks.py", "test_target.py", "test_cli.py")
+         "test_notebooks.py", "test_target.py", "test_engine.py", "test_zlab_client.py", "test_cli.py")
 
 
 def pytest_collection_modifyitems(config, items):
