@@ -17,8 +17,8 @@ def cmd_ship(args) -> int:
     if unknown:
         raise ValueError(f"--stages: unknown stages {unknown}; expected {list(ship.STAGES)}")
     t0 = time.time()
-    log = ship.run(args.work, ship.TINY if args.tiny else ship.Sizes(), stages,
-                   install=ship.ASSETS if args.install else None)
+    sizes = ship.with_overrides(ship.TINY if args.tiny else ship.Sizes(), args.set)
+    log = ship.run(args.work, sizes, stages, install=ship.ASSETS if args.install else None)
     print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
     return 0
 
@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                    help=f"copy the exported models over the package's assets ({ship.ASSETS})")
     p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")
     p.add_argument("--stages", default=",".join(ship.STAGES), help="comma-separated stages to run, of the default")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help="override a size of ship.Sizes, e.g. --set grow_stop=45 (stop a training stage after that "
+                        "step; a later run without it resumes from the checkpoint)")
     p.set_defaults(func=cmd_ship)
 
 

@@ -128,12 +128,12 @@ def cmd_target(args) -> None:
 
 
 def default_taps(num_layers: int) -> tuple[int, ...]:
-    """The shipped drafter's recipe (``ship.Sizes.drafter_taps``, layers 1, 2, 3 of its 4) for a target of
-    ``num_layers``: as many taps, spread from layer 1 to the last layer."""
+    """The shipped drafter's recipe (``ship.Sizes.drafter_taps``, layers 1, 4, 7 of its target's 8) for a target
+    of ``num_layers``: as many taps, spread from layer 1 to the last layer."""
     from dflash_jax.train.ship import Sizes
 
     shipped = Sizes().drafter_taps
-    if num_layers == Sizes().layers:
+    if num_layers == (Sizes().grow_layers or Sizes().layers):
         return shipped
     n = min(len(shipped), num_layers)
     return tuple(sorted({round(1 + i * (num_layers - 2) / max(n - 1, 1)) if num_layers > 1 else 0

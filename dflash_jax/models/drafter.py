@@ -253,10 +253,13 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
     return Drafter(cfg, *checkpoint.load_params(path, model, ignore=ignore, progress=progress))
 
 
-def save_drafter(path: str | Path, drafter: Drafter) -> None:
-    """Writes ``path``/config.json (z-lab format) and ``path``/model.safetensors; ``load_drafter`` reads them."""
+def save_drafter(path: str | Path, drafter: Drafter, *, matrix_dtype=None) -> None:
+    """Writes ``path``/config.json (z-lab format) and ``path``/model.safetensors; ``load_drafter`` reads them.
+    ``matrix_dtype``: store every matrix (ndim >= 2) in it (e.g. bfloat16), the vectors as they are."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(drafter.cfg.to_hf(), indent=2))  # each file whole
     tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.params)}
+    if matrix_dtype is not None:
+        tensors = {k: v.astype(jnp.dtype(matrix_dtype)) if v.ndim >= 2 else v for k, v in tensors.items()}
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})

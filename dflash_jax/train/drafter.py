@@ -92,17 +92,18 @@ def regenerate(target: Target, prompts: np.ndarray, new_tokens: int, *, batch: i
     return np.concatenate(rows).astype(np.int32)
 
 
-def compute_taps(target: Target, seqs: np.ndarray, taps: tuple[int, ...], *, batch: int = 16,
-                 hidden: bool = False, progress: bool = True) -> np.ndarray:
-    """Frozen target features of whole sequences: taps [N, L, n*D] (or final-normed hidden [N, L, D])."""
-    fn = jax.jit(lambda p, x: (lambda o: o.hidden if hidden else o.taps)(forward(target.graphdef, p, x, taps=taps)))
+def compute_features(target: Target, seqs: np.ndarray, taps: tuple[int, ...], *, batch: int = 16,
+                     progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Frozen target features of whole sequences [N, L], one forward each: the drafter's taps [N, L, n*D] and
+    the final-normed hidden states [N, L, D] the MTP head reads."""
+    fn = jax.jit(lambda p, x: (lambda o: (o.taps, o.hidden))(forward(target.graphdef, p, x, taps=taps)))
     out = []
     with tqdm(total=len(seqs), unit="seq", disable=not progress, mininterval=1.0,
-              desc=f"data: the target's {'hidden states' if hidden else f'layers {list(taps)}'} per sequence") as bar:
+              desc=f"data: the target's layers {list(taps)} and hidden states per sequence") as bar:
         for i in range(0, len(seqs), batch):
-            out.append(np.asarray(fn(target.params, jnp.asarray(seqs[i:i + batch]))))
-            bar.update(len(out[-1]))
-    return np.concatenate(out)
+            out.append(jax.device_get(fn(target.params, jnp.asarray(seqs[i:i + batch]))))
+            bar.update(len(out[-1][0]))
+    return np.concatenate([t for t, _ in out]), np.concatenate([h for _, h in out])
 
 
 def block_hidden(drafter: DFlashDrafter, taps: jax.Array, x: jax.Array, anchors: jax.Array) -> jax.Array:
@@ -173,11 +174,13 @@ def anchor_batches(seqs: np.ndarray, taps: np.ndarray, prompt_len: int, *, block
 
 def train_drafter(target: Target, cfg: DrafterConfig, seqs: np.ndarray, prompt_len: int, tcfg: loop.TrainConfig,
                   *, anchors: int, batch: int, seed: int = 0, ckpt_dir: str | Path | None = None,
-                  log_file: str | Path | None = None) -> tuple[Drafter, loop.Result]:
-    """Trains a fresh drafter on target-regenerated sequences [N, L] (the first prompt_len are the prompt)."""
+                  log_file: str | Path | None = None, taps: np.ndarray | None = None) -> tuple[Drafter, loop.Result]:
+    """Trains a fresh drafter on target-regenerated sequences [N, L] (the first prompt_len are the prompt);
+    ``taps`` [N, L, n*D]: the target's features of them (``compute_features``), computed here if None."""
     check_data(seqs.shape[1], prompt_len, cfg.block_size, anchors)
     drafter = init_drafter(cfg, dtype=jnp.float32, seed=seed)
-    taps = compute_taps(target, seqs, cfg.target_layer_ids)
+    if taps is None:
+        taps = compute_features(target, seqs, cfg.target_layer_ids)[0]
     batches = anchor_batches(seqs, taps, prompt_len, block=cfg.block_size, anchors=anchors, batch=batch,
                              seed=seed + 1)
     loss_fn = drafter_loss_fn(drafter.graphdef, target.graphdef, cfg)

@@ -60,13 +60,19 @@ def hf_config(cfg: TargetConfig) -> dict:
     }
 
 
-def save_target(path: str | Path, target: Target) -> None:
-    """Writes config.json and model.safetensors (f32, checkpoint keys = module paths; MTP head if present)."""
+def save_target(path: str | Path, target: Target, *, matrix_dtype=None) -> None:
+    """Writes config.json and model.safetensors (checkpoint keys = module paths; MTP head if present), as the
+    params are (f32), or with every matrix (ndim >= 2) in ``matrix_dtype`` (e.g. bfloat16: half the bytes; the
+    loaders cast to the dtype they are asked for) and the vectors (norms, GDN decays) as they are."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path / "config.json", json.dumps(hf_config(target.cfg), indent=2))  # each file whole
-    checkpoint.write_safetensors(path / "model.safetensors", dict(hf_tensors(target.cfg, target.params)),
-                                metadata={"format": "pt"})
+    config = hf_config(target.cfg)
+    if matrix_dtype is not None:
+        config["torch_dtype"] = jnp.dtype(matrix_dtype).name
+    atomic.write_text(path / "config.json", json.dumps(config, indent=2))  # each file whole
+    checkpoint.write_safetensors(path / "model.safetensors", {
+        k: v.astype(jnp.dtype(matrix_dtype)) if matrix_dtype is not None and v.ndim >= 2 else v
+        for k, v in hf_tensors(target.cfg, target.params)}, metadata={"format": "pt"})
 
 
 def lm_loss_fn(graphdef):
@@ -79,9 +85,13 @@ def lm_loss_fn(graphdef):
 
 
 def train_target(cfg: TargetConfig, batches, tcfg: loop.TrainConfig, *, seed: int = 0,
-                 ckpt_dir: str | Path | None = None, log_file: str | Path | None = None) -> tuple[Target, loop.Result]:
-    """Pretrains a fresh target (no MTP head) with next-token CE; returns it and the loop's result."""
-    target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed)
+                 ckpt_dir: str | Path | None = None, log_file: str | Path | None = None,
+                 init: Target | None = None) -> tuple[Target, loop.Result]:
+    """Pretrains a target (no MTP head) with next-token CE, from fresh weights or from ``init`` (a warm start,
+    e.g. ``grow.grow``'s, of config ``cfg``); returns it and the loop's result."""
+    if init is not None and init.cfg != cfg:
+        raise ValueError(f"train_target: the warm start's config differs from {cfg}")
+    target = init_target(cfg, dtype=jnp.float32, mtp=False, seed=seed) if init is None else init
     res = loop.train(lm_loss_fn(target.graphdef), target.params, None, batches, tcfg, ckpt_dir=ckpt_dir,
                      desc="target", log_file=log_file, meta={"gdn_channels": GDN_LAYOUT})
     return Target(cfg, target.graphdef, res.params), res

@@ -40,6 +40,7 @@ class TrainConfig:
     ckpt_every: int = 0  # 0: no checkpoints
     keep: int = 2  # checkpoints kept on disk
     log_every: int = 10
+    stop_at: int = 0  # stop after this step (a run cut short, resumable later); 0: after ``steps``
 
     def __post_init__(self):
         """Settings that cannot train anything (or train NaNs) are refused before any work."""
@@ -51,6 +52,8 @@ class TrainConfig:
             value = getattr(self, name)
             need(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                  f"{name} must be an integer >= 1, got {value!r}")
+        need(isinstance(self.stop_at, int) and not isinstance(self.stop_at, bool) and self.stop_at >= 0,
+             f"stop_at must be an integer >= 0 (0: run every step), got {self.stop_at!r}")
         need(isinstance(self.ckpt_every, int) and self.ckpt_every >= 0,
              f"ckpt_every must be an integer >= 0 (0: no checkpoints), got {self.ckpt_every!r}")
         need(_finite(self.lr) and self.lr > 0, f"the learning rate must be a finite number > 0, got {self.lr!r}")
@@ -140,7 +143,8 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
         next(batches)
 
     history, t0, first = [], time.time(), True
-    bar = tqdm(range(start, cfg.steps), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
+    end = min(cfg.stop_at or cfg.steps, cfg.steps)  # the schedule is the full run's either way
+    bar = tqdm(range(start, end), desc=desc, initial=start, total=cfg.steps, mininterval=2.0)
     for step in bar:
         batch = next(batches)
         if first:
@@ -160,14 +164,14 @@ def train(loss_fn: Callable, params, frozen, batches: Iterator, cfg: TrainConfig
             raise NonFiniteLoss(f"{desc}: the loss became {loss} (gradient norm {grad_norm}) at step {step + 1}; "
                                 f"training stopped and nothing of this step was saved ({last}). Lower the learning "
                                 f"rate (it was {cfg.lr}), or check the data")
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        if (step + 1) % cfg.log_every == 0 or step + 1 == end:
             row = {"step": step + 1, **{k: float(v) for k, v in metrics.items()}, "seconds": round(time.time() - t0, 1)}
             history.append(row)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
             if log_file is not None:
                 with open(log_file, "a") as f:
                     f.write(json.dumps(row) + "\n")
-        if ckpt_dir is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps):
+        if ckpt_dir is not None and cfg.ckpt_every and ((step + 1) % cfg.ckpt_every == 0 or step + 1 == end):
             checkpoint.save_params(ckpt_dir / f"step_{step + 1}", state, meta)
             for old in _ckpt_steps(ckpt_dir)[:-cfg.keep]:
                 shutil.rmtree(ckpt_dir / f"step_{old}")

