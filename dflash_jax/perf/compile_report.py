@@ -177,7 +177,8 @@ def programs(setup: Setup) -> dict[str, tuple]:
 def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     """Lowers and compiles one phase; its per-device memory and cost as the compiler reports them. Where the
     compiled program has no cost analysis (XLA's GPU compiler through its plugin) FLOPs and bytes are the
-    lowered program's (before fusion: bytes are an upper bound) and ``optimal_seconds`` is NaN."""
+    lowered program's (before fusion: bytes are an upper bound) and ``optimal_seconds`` is NaN, as it is where
+    the TPU's estimate is not positive (libtpu 0.0.42 gives a negative one for 27B programs on a mesh)."""
     start = time.perf_counter()
     lowered = phase.lower(*args)
     compiled = lowered.compile(compiler_options=compiler_options or None)
@@ -192,6 +193,8 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
                flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
                optimal_seconds=float(cost.get("optimal_seconds", math.nan)), cost_source=source,
                compile_s=round(seconds, 1))
+    if not row["optimal_seconds"] > 0:  # libtpu 0.0.42's estimate for a program with collectives: negative
+        row["optimal_seconds"] = math.nan
     # What the chip holds while it runs: inputs, outputs not aliased to a donated input, temporaries.
     row["peak_bytes"] = row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
     return row
@@ -224,7 +227,8 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
         if on_row:
             on_row(row)
     out = list(rows.values())
-    if "decode" in rows and "verify" in rows and not math.isnan(rows["decode"]["optimal_seconds"]):
+    if "decode" in rows and "verify" in rows and not math.isnan(rows["decode"]["optimal_seconds"] +
+                                                                 rows["verify"]["optimal_seconds"]):
         t1, tv = rows["decode"]["optimal_seconds"], rows["verify"]["optimal_seconds"]
         summary = dict(head, program="ratio", verify_over_decode=tv / t1,
                        plain_tok_s_per_chip=setup.batch / t1 / setup.model)
@@ -267,5 +271,5 @@ def format_rows(rows: list[dict]) -> str:
         ratio = "" if math.isnan(r["physics_flops"]) else f" ({r['flops'] / r['physics_flops']:.2f}x)"
         lines.append(where + f"| {r['program']} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} | "
                      f"{gib(r['temp_bytes'])} | {gib(r['peak_bytes'])} / {hbm} | {r['flops'] / 1e9:.1f}{ratio} | "
-                     f"{r['bytes_accessed'] / 1e9:.2f} | {r['optimal_seconds'] * 1e3:.3f} |")
+                     f"{r['bytes_accessed'] / 1e9:.2f} | {r['optimal_seconds'] * 1e3:.3f} |".replace("nan", "–"))
     return "\n".join(lines)
