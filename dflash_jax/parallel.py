@@ -1,6 +1,6 @@
 """Where every array lives on a device mesh: one table of logical axes, mapped onto mesh axes.
 
-Sits beside the parameter trees (``target.py``, ``drafter.py``) and under the loop: loading places
+Sits under the parameter trees (``models/``, which declare their axes here) and the loop: loading places
 each tensor on its shards with ``param_shardings``, and the loop (``SpeculativeLoop(mesh=...)``)
 traces its phases under the mesh (``mesh_context``) and pins its state (caches, proposer state,
 per-row arrays) to ``state_shardings`` after init and every step (``pin_state``); inside jit, XLA's
@@ -15,7 +15,9 @@ heads, MLP width and vocabulary (tensor parallel, Megatron style: column-paralle
 row-parallel out-projections, so each layer costs one all-reduce of its [B, T, D] output; the
 vocab-parallel LM head's greedy argmax reduces a per-shard max and first index, never the logits), and
 ``expert`` splits the routed experts together with ``model``. Logical axes (``RULES``) name what a
-tensor dimension is; ``PARAMS`` and ``CACHES`` give every parameter and cache field its logical axes, once.
+tensor dimension is. Each parameter declares its logical axes where the model creates it (``param``: NNX
+variable metadata, beside the weight) and ``param_shardings`` derives every sharding from them with one tree
+map; ``CACHES`` gives every cache field its logical axes, once.
 
 A logical axis is sharded only when the mesh axes divide its unit count (heads, not head x
 head_dim channels), else it is replicated and ``Layout.replicated`` says so. For Qwen3.5-27B at
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -65,28 +66,6 @@ RULES: dict[str, str | tuple[str, ...]] = {
     # devices), so a TP-only mesh holds each expert once, not once per model shard.
     "experts": ("model", "expert"),
 }
-
-# Parameter path (dots, as in the HF checkpoint; weights [out, in]) -> logical axes per dimension.
-# First full match wins; unmatched parameters are replicated: norms, the MoE router, the drafter's fc
-# and the MTP fc.
-# MXFP4 projections (quant.py) keep the rule of their weight for both tensors: the packed codes
-# ``weight`` [out, in/2] and ``weight_scale`` [out, in/32] split along the same logical axis (a
-# column shard of whole heads is a whole number of 32-input scale blocks at every real shape).
-PARAMS: tuple[tuple[str, tuple[str | None, ...]], ...] = (
-    (r"(.*\.)?embed_tokens\.weight", ("vocab", None)),
-    (r"lm_head\.weight", ("vocab", None)),
-    (r".*self_attn\.q_proj\.weight(_scale)?", ("heads", None)),
-    (r".*self_attn\.[kv]_proj\.weight(_scale)?", ("kv_heads", None)),
-    (r".*self_attn\.o_proj\.weight(_scale)?", (None, "heads")),
-    (r".*linear_attn\.in_proj_[zab]\.weight(_scale)?", ("v_heads", None)),
-    (r".*linear_attn\.in_proj_qkv\.weight(_scale)?", ("gdn_channels", None)),
-    (r".*linear_attn\.conv1d\.weight", ("gdn_channels", None, None)),  # [C, 1, K]
-    (r".*linear_attn\.(A_log|dt_bias)", ("v_heads",)),
-    (r".*linear_attn\.out_proj\.weight(_scale)?", (None, "v_heads")),
-    (r".*(mlp|shared_expert)\.(gate|up)_proj\.weight(_scale)?", ("mlp", None)),
-    (r".*(mlp|shared_expert)\.down_proj\.weight(_scale)?", (None, "mlp")),
-    (r".*experts\.(gate_up|down)_proj(_scale)?", ("experts", None, None)),  # [E, 2I, D] / [E, D, I]
-)
 
 # Cache pytree class -> {field: logical axes}. Keyed by class name (cache.py's, the drafter's DraftCache,
 # mtp.py's MTPState) so that this module sits below every model module in the import graph. Fields not
@@ -188,27 +167,31 @@ def mesh_size(mesh: Mesh, axis: str | tuple[str, ...]) -> int:
     return int(np.prod([mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis)]))
 
 
-def param_axes(path: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at a dotted path (replicated when no rule matches)."""
-    for pattern, axes in PARAMS:
-        if re.fullmatch(pattern, path):
-            if len(axes) != ndim:
-                raise ValueError(f"sharding rule {pattern!r} gives {len(axes)} axes to {path!r} of rank {ndim}")
-            return axes
-    return (None,) * ndim
+def param(value, axes: tuple[str | None, ...] | None = None) -> nnx.Param:
+    """A parameter declaring its logical axes (``RULES`` names, one per dimension) as NNX variable metadata
+    (``logical_axes``), read back by ``param_axes``; without axes it is replicated."""
+    if axes is None:
+        return nnx.Param(value)
+    if len(axes) != value.ndim:
+        raise ValueError(f"logical axes {axes} do not fit a parameter of shape {value.shape}")
+    return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def _dotted(path) -> str:
-    """'model.layers.0.mlp.up_proj.weight' from a pytree key path (an NNX Variable's own ``.value`` dropped)."""
-    if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
-        path = path[:-1]
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+def param_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The logical axes a parameter declared (``param``): all None (replicated) when it declared none."""
+    return variable.get_metadata().get("logical_axes") or (None,) * len(variable.shape)
+
+
+def axes_by_key(params) -> dict[str, tuple[str | None, ...]]:
+    """Checkpoint key (the parameter's path joined by dots) -> its logical axes, for an ``nnx.State``."""
+    return {".".join(map(str, path)): param_axes(v) for path, v in nnx.to_flat_state(params)}
 
 
 def param_shardings(params, layout: Layout):
-    """A pytree of NamedShardings matching ``params`` (an ``nnx.State``, arrays or ShapeDtypeStructs)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: layout.sharding(param_axes(_dotted(path), x.ndim), x.shape), params)
+    """A pytree of NamedShardings matching ``params`` (an ``nnx.State`` of arrays or ShapeDtypeStructs),
+    each parameter's from the logical axes it declared."""
+    return jax.tree.map(lambda v: v.replace(layout.sharding(param_axes(v), v.shape)), params,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -217,10 +200,11 @@ def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def loader(mesh: Mesh, cfg: TargetConfig | DrafterConfig):
-    """The ``place`` callback of ``checkpoint.load_state``: each tensor, by its key, straight onto its shards."""
+def loader(mesh: Mesh, cfg: TargetConfig | DrafterConfig, axes: Mapping[str, tuple[str | None, ...]]):
+    """The ``place`` callback of ``checkpoint.load_state``: each tensor, by its key, straight onto its shards
+    (``axes``: ``axes_by_key`` of the abstract model being filled)."""
     layout = Layout.of(cfg, mesh)
-    return lambda key, host: place(host, layout.sharding(param_axes(key, host.ndim), host.shape))
+    return lambda key, host: place(host, layout.sharding(axes[key], host.shape))
 
 
 def abstract_on(abstract, mesh: Mesh, cfg: TargetConfig | DrafterConfig):
@@ -271,7 +255,7 @@ def layouts(mesh: Mesh, cfg: TargetConfig, proposer=None) -> tuple[Layout, Layou
 
 
 def shard_params(params, mesh: Mesh | None, cfg: TargetConfig, proposer=None):
-    """Places loop params ``(target params, proposer params)`` on ``mesh`` by ``PARAMS`` (already placed
+    """Places loop params ``(target params, proposer params)`` on ``mesh`` by their axes (already placed
     leaves move only if their sharding differs; no mesh: unchanged). Proposer params follow the drafter's
     heads when the proposer has a DrafterConfig, else the target's (the MTP head is a target layer)."""
     if mesh is None:

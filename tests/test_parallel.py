@@ -380,42 +380,78 @@ def test_mesh_size_must_match_devices():
         parallel.make_mesh(model=3)
 
 
-def test_real_shapes_layout_at_tp8():
-    """The table at Qwen3.5-27B / 35B-A3B shapes on a (1, 8, 1) mesh (abstract: no devices needed)."""
+# The parameters each shards at the real shapes (suffix after the layer index; an MXFP4 ``*_scale`` follows its
+# weight), written out by hand from the path table that the axes declared beside the weights replaced: the
+# expectation below equals that table's result for every parameter of these models (computed once, at full depth).
+_COLUMN = ("embed_tokens.weight", "lm_head.weight", "self_attn.q_proj.weight", "linear_attn.in_proj_qkv.weight",
+           "linear_attn.in_proj_z.weight", "linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight",
+           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.shared_expert.gate_proj.weight",
+           "mlp.shared_expert.up_proj.weight")  # ("model", None)
+_ROW = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight",
+        "mlp.shared_expert.down_proj.weight")  # (None, "model")
+_KV = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")  # ("model", None) where the model axis divides K
+
+
+def _expected_spec(key: str, ndim: int, kv_split: bool, experts) -> tuple:
+    import re
+
+    suffix = re.sub(r"^(model\.|mtp\.)?(layers\.\d+\.)?", "", key).removesuffix("_scale")
+    if suffix in _COLUMN or (kv_split and suffix in _KV):
+        return ("model", None)
+    if suffix in _ROW:
+        return (None, "model")
+    if suffix in ("linear_attn.A_log", "linear_attn.dt_bias"):
+        return ("model",)
+    if suffix == "linear_attn.conv1d.weight":
+        return ("model", None, None)
+    if suffix in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
+        return (experts, None, None)
+    return (None,) * ndim  # norms, the MoE router and shared-expert gate, the drafter's and the MTP head's fc
+
+
+@pytest.mark.parametrize("name", ["27b", "35b-a3b"])
+def test_real_shapes_layout_from_declared_axes(name):
+    """Every parameter of the real-shape targets (dense and MXFP4, with the MTP head) and drafters on a TP=8 mesh
+    and a TP=4 x EP=2 one gets the spec its declared logical axes give (abstract: no devices needed). Four
+    decoder layers (three GDN, one attention: every layer kind) stand for all of them: the specs do not depend
+    on the depth."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+
+    from dflash_jax import parallel
+    from dflash_jax.models import quant
+    from dflash_jax.perf import synthetic
+
+    target_json, drafter_json = synthetic.REAL_SHAPES[name]
+    dense = synthetic.abstract_target(dict(target_json, num_hidden_layers=4), mtp=True)
+    models = {"dense": dense, "mxfp4": quant.convert(dense, True), "drafter": synthetic.abstract_drafter(drafter_json)}
+    assert any(k.endswith("_scale") for k in parallel.axes_by_key(models["mxfp4"].params))
+    for shape in ((1, 8, 1), (1, 4, 2)):
+        mesh = AbstractMesh(shape, parallel.AXES)
+        experts = "model" if shape[2] == 1 else ("model", "expert")
+        for kind, model in models.items():
+            shardings = parallel.param_shardings(model.params, parallel.Layout.of(model.cfg, mesh))
+            kv_split = model.cfg.num_key_value_heads % shape[1] == 0
+            for path, sharding in nnx.to_flat_state(shardings):
+                key, spec = ".".join(map(str, path)), tuple(sharding.get_value().spec)
+                assert spec == _expected_spec(key, len(spec), kv_split, experts), (name, kind, shape, key)
+
+
+def test_real_shapes_replicated_axes():
+    """``Layout.replicated`` at the real shapes: 27B's 4 KV heads on TP=8, its 16 GDN key-head groups on TP=32."""
     from jax.sharding import AbstractMesh
 
     from dflash_jax import parallel
     from dflash_jax.config import TargetConfig
     from dflash_jax.perf import synthetic
 
-    mesh = AbstractMesh((1, 8, 1), parallel.AXES)
-    dense_cfg = TargetConfig.from_hf(synthetic.REAL_SHAPES["27b"][0])
-    dense = parallel.Layout.of(dense_cfg, mesh)
-    assert dense.replicated() == ["kv_heads (4) replicated: not divisible by the model axis (8)"]
-    spec = lambda layout, key, shape: tuple(layout.spec(parallel.param_axes(key, len(shape)), shape))  # noqa: E731
-    assert spec(dense, "model.layers.3.self_attn.q_proj.weight", (12288, 5120)) == ("model", None)
-    assert spec(dense, "model.layers.3.self_attn.k_proj.weight", (1024, 5120)) == (None, None)
-    assert spec(dense, "model.layers.0.linear_attn.out_proj.weight", (5120, 6144)) == (None, "model")
-    # GDN channels C = 2 x 16 x 128 + 48 x 128 (head-grouped): 2 of the 16 key-head groups per device
-    assert spec(dense, "model.layers.0.linear_attn.in_proj_qkv.weight", (10240, 5120)) == ("model", None)
-    assert spec(dense, "model.layers.0.linear_attn.in_proj_qkv.weight_scale", (10240, 160)) == ("model", None)
-    assert spec(dense, "model.layers.0.linear_attn.conv1d.weight", (10240, 1, 4)) == ("model", None, None)
-    wide = parallel.Layout.of(dense_cfg, AbstractMesh((1, 32, 1), parallel.AXES))  # 32 does not divide 16 groups
-    assert spec(wide, "model.layers.0.linear_attn.in_proj_qkv.weight", (10240, 5120)) == (None, None)
+    cfg = TargetConfig.from_hf(synthetic.REAL_SHAPES["27b"][0])
+    tp8 = parallel.Layout.of(cfg, AbstractMesh((1, 8, 1), parallel.AXES))
+    assert tp8.replicated() == ["kv_heads (4) replicated: not divisible by the model axis (8)"]
+    wide = parallel.Layout.of(cfg, AbstractMesh((1, 32, 1), parallel.AXES))
     assert "gdn_channels (16) replicated: not divisible by the model axis (32)" in wide.replicated()
-    assert spec(dense, "lm_head.weight", (248320, 5120)) == ("model", None)
-    # MXFP4 (quant.py): packed codes [out, in/2] and scales [out, in/32] split like their weight
-    assert spec(dense, "model.layers.3.self_attn.o_proj.weight", (5120, 3072)) == (None, "model")
-    assert spec(dense, "model.layers.3.self_attn.o_proj.weight_scale", (5120, 192)) == (None, "model")
-    assert spec(dense, "model.layers.0.mlp.down_proj.weight_scale", (5120, 544)) == (None, "model")
-    moe_cfg = TargetConfig.from_hf(synthetic.REAL_SHAPES["35b-a3b"][0])
-    moe = parallel.Layout.of(moe_cfg, mesh)
-    assert spec(moe, "model.layers.0.mlp.experts.gate_up_proj", (256, 1024, 2048)) == ("model", None, None)
-    assert spec(moe, "model.layers.0.mlp.experts.down_proj_scale", (256, 2048, 16)) == ("model", None, None)
-    both = parallel.Layout.of(moe_cfg, AbstractMesh((1, 4, 2), parallel.AXES))  # experts over TP x EP
-    assert spec(both, "model.layers.0.mlp.experts.gate_up_proj", (256, 1024, 2048)) == (("model", "expert"), None,
-                                                                                         None)
-    assert spec(moe, "model.layers.0.mlp.gate.weight", (256, 2048)) == (None, None)  # the router: replicated
+    assert wide.spec(("gdn_channels", None), (10240, 5120)) == parallel.P(None, None)
+    assert tp8.spec(("gdn_channels", None), (10240, 5120)) == parallel.P("model", None)
 
 
 def test_one_device_mesh_is_the_plain_loop():

@@ -52,10 +52,10 @@ class DrafterAttention(nnx.Module):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
         self.kernels = kernels
-        self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs, axes=("heads", None))
+        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
+        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
+        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 

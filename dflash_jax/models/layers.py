@@ -55,15 +55,17 @@ def _gdn(fn, mode: str, args: tuple, labels: tuple, out_labels, k, v):
                        shared=("k_heads", k.shape[2]))
 
 
-def _normal(rngs: nnx.Rngs, shape, dtype, std=0.02):
-    return nnx.Param((std * jax.random.normal(rngs.params(), shape)).astype(dtype))
+def _normal(rngs: nnx.Rngs, shape, dtype, axes=None, std=0.02):
+    """An N(0, std^2) parameter with its logical axes (``parallel.param``; None: replicated)."""
+    return parallel.param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes)
 
 
 class Linear(nnx.Module):
-    """``y = x W^T`` with W stored [out, in] as in PyTorch checkpoints; no bias."""
+    """``y = x W^T`` with W stored [out, in] as in PyTorch checkpoints; no bias. ``axes``: W's logical axes
+    (out, in), e.g. ("heads", None) for a column-parallel projection; None: replicated."""
 
-    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (dout, din), dtype)
+    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, axes=None):
+        self.weight = _normal(rngs, (dout, din), dtype, axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if hasattr(self, "weight_scale"):  # MXFP4 (quant.py): weight [out, in/2] e2m1 pairs + scales [out, in/32]
@@ -75,7 +77,7 @@ class Linear(nnx.Module):
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (vocab, dim), dtype)
+        self.weight = _normal(rngs, (vocab, dim), dtype, ("vocab", None))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], tokens, axis=0)
@@ -120,9 +122,9 @@ class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
     def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(hidden, dim, dtype=dtype, rngs=rngs)
+        self.gate_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs, axes=("mlp", None))
+        self.up_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs, axes=("mlp", None))
+        self.down_proj = Linear(hidden, dim, dtype=dtype, rngs=rngs, axes=(None, "mlp"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -132,8 +134,8 @@ class Experts(nnx.Module):
     """Routed experts in the fused checkpoint layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
 
     def __init__(self, num: int, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_up_proj = _normal(rngs, (num, 2 * hidden, dim), dtype)
-        self.down_proj = _normal(rngs, (num, dim, hidden), dtype)
+        self.gate_up_proj = _normal(rngs, (num, 2 * hidden, dim), dtype, ("experts", None, None))
+        self.down_proj = _normal(rngs, (num, dim, hidden), dtype, ("experts", None, None))
 
     def project(self, name: str, x: jax.Array, group_sizes: jax.Array, impl: str) -> jax.Array:
         """x [M, Din] rows sorted by expert times the experts' ``name`` weight -> [M, Dout]; MXFP4 when
@@ -196,10 +198,10 @@ class GatedAttention(nnx.Module):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
         self.kernels = kernels
-        self.q_proj = Linear(D, N * H * 2, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_proj = Linear(D, N * H * 2, dtype=dtype, rngs=rngs, axes=("heads", None))
+        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
+        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
+        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
@@ -230,7 +232,7 @@ class DepthwiseConv(nnx.Module):
     """Holds the causal depthwise conv weight [C, 1, K] (applied in ``GatedDeltaNet._prepare``)."""
 
     def __init__(self, channels: int, taps: int, *, dtype, rngs: nnx.Rngs):
-        self.weight = _normal(rngs, (channels, 1, taps), dtype, std=taps**-0.5)
+        self.weight = _normal(rngs, (channels, 1, taps), dtype, ("gdn_channels", None, None), std=taps**-0.5)
 
 
 def gdn_channel_order(cfg: TargetConfig) -> np.ndarray:
@@ -248,13 +250,14 @@ def gdn_channel_order(cfg: TargetConfig) -> np.ndarray:
     return np.concatenate([q, q + Hk * Dk, v], axis=1).reshape(-1)  # [Hk, 2*Dk + r*Dv] -> [C]
 
 
-def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, *, to_hf: bool = False) -> np.ndarray:
-    """A checkpoint tensor with its GDN channel rows (axis 0) put in the layer's order (HF -> internal),
-    or back with ``to_hf``; other tensors unchanged. The GDN channel tensors are those whose axis 0 is the
-    logical axis ``gdn_channels`` in ``parallel.PARAMS`` (the fused q|k|v projection, MXFP4: its packed
-    codes and per-row scales, and the depthwise conv weight), the one list of them. The load path applies
-    it to each tensor as it is read, ``hf_tensors`` before the safetensors writers write."""
-    if parallel.param_axes(key, host.ndim)[:1] != ("gdn_channels",):  # [:1]: a 0-d tensor has no axis 0
+def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, axes: tuple[str | None, ...], *,
+                 to_hf: bool = False) -> np.ndarray:
+    """A checkpoint tensor (``key``, logical ``axes`` as its parameter declared them: ``parallel.param_axes``)
+    with its GDN channel rows (axis 0) put in the layer's order (HF -> internal), or back with ``to_hf``; other
+    tensors unchanged. The GDN channel tensors are those whose axis 0 is the logical axis ``gdn_channels``
+    (the fused q|k|v projection, MXFP4: its packed codes and per-row scales, and the depthwise conv weight).
+    The load path applies it to each tensor as it is read, ``hf_tensors`` before the safetensors writers write."""
+    if axes[:1] != ("gdn_channels",):  # [:1]: a 0-d tensor has no axis 0
         return host
     order = gdn_channel_order(cfg)
     if host.shape[0] != order.size:
@@ -270,7 +273,7 @@ def hf_tensors(cfg: TargetConfig, params: nnx.State) -> Iterator[tuple[str, np.n
     (``gdn_channels``); a consumer that converts each keeps one host copy of it, not two."""
     for path, v in nnx.to_flat_state(params):
         key = ".".join(map(str, path))
-        yield key, gdn_channels(cfg, key, np.asarray(v.get_value()), to_hf=True)
+        yield key, gdn_channels(cfg, key, np.asarray(v.get_value()), parallel.param_axes(v), to_hf=True)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -292,16 +295,17 @@ class GatedDeltaNet(nnx.Module):
         D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads
         self.cfg = cfg
         self.kernels = kernels
-        self.in_proj_qkv = Linear(D, C, dtype=dtype, rngs=rngs)
-        self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, rngs=rngs)
-        self.in_proj_b = Linear(D, Hv, dtype=dtype, rngs=rngs)
-        self.in_proj_a = Linear(D, Hv, dtype=dtype, rngs=rngs)
+        self.in_proj_qkv = Linear(D, C, dtype=dtype, rngs=rngs, axes=("gdn_channels", None))
+        self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, rngs=rngs, axes=("v_heads", None))
+        self.in_proj_b = Linear(D, Hv, dtype=dtype, rngs=rngs, axes=("v_heads", None))
+        self.in_proj_a = Linear(D, Hv, dtype=dtype, rngs=rngs, axes=("v_heads", None))
         self.conv1d = DepthwiseConv(C, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
         # Decay parameters stay f32 whatever the model dtype: they feed exp() of a cumulative sum.
-        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), minval=1.0, maxval=16.0)))
-        self.dt_bias = nnx.Param(jnp.ones((Hv,), jnp.float32))
+        self.A_log = parallel.param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), minval=1.0, maxval=16.0)),
+                                    ("v_heads",))
+        self.dt_bias = parallel.param(jnp.ones((Hv,), jnp.float32), ("v_heads",))
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, rngs=rngs, axes=(None, "v_heads"))
 
     def _prepare(self, x, conv_window, *, speculative: bool):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).

@@ -81,15 +81,18 @@ def _apply(module, paths, input_scale_mode: str | None, scale_mode: str) -> None
         if path not in todo:
             continue
         todo.discard(path)
-        w = getattr(sub, attr).get_value()
+        var = getattr(sub, attr)
+        w = var.get_value()
         if isinstance(w, jax.ShapeDtypeStruct):
             K = w.shape[-1]
             packed = jax.ShapeDtypeStruct((*w.shape[:-1], K // 2), jnp.uint8)
             scale = jax.ShapeDtypeStruct((*w.shape[:-1], K // BLOCK), jnp.uint8)
         else:
             packed, scale = mxfp4.quantize_mxfp4(w, scale_mode)
-        setattr(sub, attr, nnx.Param(packed))
-        setattr(sub, attr + "_scale", nnx.Param(scale))
+        # Codes [out, in/2] and scales [out, in/32] keep the weight's logical axes (``var.replace``: its metadata),
+        # so both split along the same one (a column shard of whole heads is whole 32-input scale blocks).
+        setattr(sub, attr, var.replace(packed))
+        setattr(sub, attr + "_scale", var.replace(scale))
         sub.input_scale_mode = input_scale_mode  # static: part of the graph, so of every jit cache key
         if isinstance(sub, Linear):
             sub.kernels = kernels
@@ -111,7 +114,7 @@ def dequantize_modules(module, dtype) -> list[str]:
         if hasattr(sub, attr + "_scale"):
             scale = getattr(sub, attr + "_scale").get_value()
             w = mxfp4.dequantize_mxfp4(getattr(sub, attr).get_value(), scale, dtype)
-            setattr(sub, attr, nnx.Param(w))
+            setattr(sub, attr, getattr(sub, attr).replace(w))  # keeps its logical axes
             delattr(sub, attr + "_scale")
             done.append(path)
             if not any(hasattr(sub, a + "_scale") for a in ("weight", "gate_up_proj", "down_proj")):

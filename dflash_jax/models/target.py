@@ -116,7 +116,7 @@ class Qwen35ForCausalLM(nnx.Module):
         self.kernels = kernels = kernel_modes.resolve(kernels)
         self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs, layers=layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs, axes=("vocab", None))
         self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
 
     def logits(self, h: jax.Array) -> jax.Array:
@@ -328,7 +328,8 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
       mtp: load the ``mtp.*`` head; None loads it when the checkpoint has one.
       kernels: kernel mode ("reference", "pallas", "interpret"); None: ``kernels.default_mode()``
         (``DFLASH_KERNELS``, else pallas on a GPU). ``Target.with_kernels`` changes it later.
-      mesh: place each tensor straight onto its shards of this mesh (``parallel.PARAMS``); None: one device.
+      mesh: place each tensor straight onto its shards of this mesh (by the logical axes its parameter declares,
+        ``parallel.param``); None: one device.
       quantized: MXFP4 projections (True; a dense checkpoint is quantized as ``QuantConfig()``
         says) or dense ones (False; an MXFP4 checkpoint is dequantized to ``dtype``); None: as stored.
         An MXFP4 checkpoint is AMD Quark's layout (``quantization_config``, see quant.py).
@@ -369,10 +370,11 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, *, mtp: bool | None = None
         ignore.append(r"mtp\.")
     if cfg.tie_word_embeddings:
         ignore.append(re.escape("lm_head.weight"))
-    put = checkpoint.to_device if mesh is None else parallel.loader(mesh, cfg)
+    axes = parallel.axes_by_key(nnx.state(model))
+    put = checkpoint.to_device if mesh is None else parallel.loader(mesh, cfg, axes)
 
     def place(key, host):  # GDN channels into the layer's order on the host, before any device sees them
-        return put(key, gdn_channels(cfg, key, host))
+        return put(key, gdn_channels(cfg, key, host, axes[key]))
 
     target = Target(cfg, *checkpoint.load_params(path, model, ignore=ignore, place=place, progress=progress))
     return target if quantized is None else quant.convert(target, quantized)

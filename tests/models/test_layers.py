@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from dflash_jax import parallel
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.models.drafter import init_drafter
 from dflash_jax.models.layers import GatedDeltaNet, RMSNorm, gdn_channel_order, gdn_channels, slide_window
@@ -50,18 +51,19 @@ def test_gdn_channel_order_groups_whole_heads_by_key_head():
 
 
 def test_gdn_channels_round_trip_and_leave_other_tensors_alone():
+    """The GDN channel tensors are those whose parameter declares axis 0 ``gdn_channels`` (the layer's fused
+    q|k|v projection and its conv weight, as built); every other tensor passes through."""
     rng = np.random.default_rng(3)
     w = rng.normal(size=(GDN.conv_dim, 5)).astype(np.float32)
-    tensors = {QKV: w, QKV + "_scale": w, CONV: w[:, None],  # conv1d [C, 1, K]
-               "model.language_model.layers.0.linear_attn.in_proj_qkv.weight": w}  # the file's own prefix
-    for key, a in tensors.items():
-        moved = gdn_channels(GDN, key, a)
+    layer = nnx.eval_shape(lambda: GatedDeltaNet(GDN, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0)))
+    for key, a, var in ((QKV, w, layer.in_proj_qkv.weight), (CONV, w[:, None], layer.conv1d.weight)):  # conv [C, 1, K]
+        moved = gdn_channels(GDN, key, a, parallel.param_axes(var))
         assert not np.array_equal(moved, a)
-        np.testing.assert_array_equal(gdn_channels(GDN, key, moved, to_hf=True), a)
-    other = "model.layers.0.linear_attn.in_proj_z.weight"
-    assert gdn_channels(GDN, other, w) is w and gdn_channels(GDN, other, w, to_hf=True) is w
+        np.testing.assert_array_equal(gdn_channels(GDN, key, moved, parallel.param_axes(var), to_hf=True), a)
+    other, axes = "model.layers.0.linear_attn.in_proj_z.weight", parallel.param_axes(layer.in_proj_z.weight)
+    assert gdn_channels(GDN, other, w, axes) is w and gdn_channels(GDN, other, w, axes, to_hf=True) is w
     with pytest.raises(ValueError, match="in_proj_qkv.weight: 5 rows, but the GDN channel axis of this config has 34"):
-        gdn_channels(GDN, QKV, w[:5])
+        gdn_channels(GDN, QKV, w[:5], parallel.param_axes(layer.in_proj_qkv.weight))
 
 
 @pytest.mark.parametrize("speculative", [False, True])  # the two forms of the causal conv
@@ -77,8 +79,9 @@ def test_gdn_layer_on_hf_weights_matches_a_q_k_v_reference(speculative):
     window = rng.normal(size=(B, K - 1, C)).astype(np.float32)  # previous raw conv inputs, HF order
 
     layer = GatedDeltaNet(GDN, dtype=jnp.float32, kernels="reference", rngs=nnx.Rngs(0))
-    layer.in_proj_qkv.weight.set_value(jnp.asarray(gdn_channels(GDN, QKV, w_qkv)))
-    layer.conv1d.weight.set_value(jnp.asarray(gdn_channels(GDN, CONV, w_conv)))
+    qkv_axes, conv_axes = parallel.param_axes(layer.in_proj_qkv.weight), parallel.param_axes(layer.conv1d.weight)
+    layer.in_proj_qkv.weight.set_value(jnp.asarray(gdn_channels(GDN, QKV, w_qkv, qkv_axes)))
+    layer.conv1d.weight.set_value(jnp.asarray(gdn_channels(GDN, CONV, w_conv, conv_axes)))
     q, k, v, _, _, _, mixed = layer._prepare(jnp.asarray(x), jnp.asarray(window[..., gdn_channel_order(GDN)]),
                                             speculative=speculative)
 
@@ -92,7 +95,7 @@ def test_gdn_layer_on_hf_weights_matches_a_q_k_v_reference(speculative):
     for got, want in ((q, rq), (k, rk), (v, y[..., 2 * Hk * Dk:].reshape(B, T, Hv, Dv))):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # The raw inputs kept for the conv window are in the layer's order; back in HF order they are x W^T.
-    np.testing.assert_allclose(gdn_channels(GDN, CONV, np.asarray(mixed).transpose(2, 0, 1), to_hf=True),
+    np.testing.assert_allclose(gdn_channels(GDN, CONV, np.asarray(mixed).transpose(2, 0, 1), conv_axes, to_hf=True),
                                ref_mixed.transpose(2, 0, 1), rtol=1e-5, atol=1e-5)
 
 
