@@ -292,7 +292,7 @@ class SpeculativeLoop:
         rows = rows if state is None else state.rows
         return self.spec.sampling if rows is None else rows
 
-    def _finite(self, logits, chosen, rules):
+    def _finite(self, logits, chosen, rules=None):
         """Logits [..., V] -> [...] True where their peak after the temperature is finite: the rules' choice
         from them is then well defined (a NaN anywhere, a +inf or all -inf is not; -inf beside a finite peak
         is a token of probability 0). ``chosen`` [...]: the tokens the rules chose from these logits.
@@ -300,6 +300,7 @@ class SpeculativeLoop:
         Greedy reads one logit per position: the chosen token is the argmax, and argmax returns a NaN's
         index, so its logit is the peak. Sampling takes the max over V (beside the several passes over V
         that its rules make)."""
+        rules = self.spec.sampling if rules is None else rules  # a state's rows' rules (``_rules``) or the spec's
         greedy = lambda: jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
         if isinstance(rules, RowSampling):  # max(x) / t = max(x / t), t > 0; greedy rows as greedy
             t = rules.rows(chosen, "temperature")
