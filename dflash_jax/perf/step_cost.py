@@ -4,7 +4,7 @@ Sits in the measurement layer between the decoding core's choice (``decoding.blo
 acceptance and costs) and the front ends (``dflash-jax generate`` and ``bench``). For each candidate
 block it builds the loop of that block as every timed run does (``bench.method_loop``) and times
 ``blocksize.run_steps`` (the loop's own init, then its step in a device loop) with 1 step and with
-enough steps to last ``WINDOW`` (at least ``STEPS``): the difference per extra step is one step as the
+enough steps (at least ``STEPS``) to take ``WINDOW`` longer: the difference per extra step is one step as the
 fused decode loop runs it, with prefill and every call's fixed cost (dispatch, argument handling, the
 wait) left out. Warm (each program runs untimed first: its compilation), interleaved (blocks in
 alternating order, round by round, so the machine's drift hits all alike), the median over ``REPEATS``
@@ -14,14 +14,13 @@ the same work), with no stop ids.
 Where the drafter has no acceptance card the largest block's program, run once to its end, is the
 calibration too (its histogram of accepted drafts). Results are kept in memory per (model key, batch,
 backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing.
-What it costs: one compilation per candidate block, plus ~REPEATS x WINDOW of runs each (about 5 s for
-five blocks on a quiet machine; the reason line says how long it took).
+What it costs: one compilation per candidate block, plus ~(2 + REPEATS) x WINDOW of runs each (about 10 s
+for five blocks on a quiet machine; the reason line says how long it took).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 
@@ -36,10 +35,11 @@ from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.perf.bench import method_loop
 
 STEPS = 4  # the fewest steps in the long run; the short run has 1
-WINDOW = 0.2  # seconds: the long run steps until about this long (at most MAX_STEPS), so that a busy machine's
-# preemptions (milliseconds to tens of them) are a small part of it: with 4 steps of a 2 ms plain step they
-# were most of it (49 ms read for a 2 ms step on a 2-core machine at load 16)
-MAX_STEPS = 512
+WINDOW = 0.3  # seconds: the long run's steps take at least this much more than the short run (doubling the
+# steps until they do, at most MAX_STEPS), so that a busy machine's noise in a call's fixed cost (prefill,
+# dispatch, thread wake-ups: 70-210 ms a call on the 2-core machine at load 20) is a small part of it; 4
+# steps of a 2 ms plain step read 49 ms there
+MAX_STEPS = 1024
 REPEATS = 5  # rounds; each block's cost is the median of its per-round differences
 _MEMO: dict = {}
 
@@ -81,24 +81,25 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         return jax.block_until_ready(blocksize.run_steps(loop, params, tokens, lengths, seed, jnp.int32(n),
                                                          jnp.bool_(until_done)))
 
-    histogram, long = None, {}
-    for block in blocks:  # untimed: each program's compilation, then a warm run that sizes the long run
-        run(block, 1)
+    def seconds(block, n):
         t0 = clock()
-        run(block, steps)
-        per_step = max((clock() - t0) / steps, 1e-9)  # an upper bound: the run's fixed costs included
-        long[block] = min(max(steps, math.ceil(WINDOW / per_step)), MAX_STEPS)
+        run(block, n)
+        return clock() - t0
+
+    histogram, long = None, {}
+    for block in blocks:  # untimed: each program's compilation, then warm runs doubling the long run's steps
+        run(block, 1)
+        short, n = seconds(block, 1), steps
+        while seconds(block, n) - short < WINDOW and n < MAX_STEPS:
+            n *= 2
+        long[block] = n
     if calibrate:
         histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
     diffs = {b: [] for b in blocks}
     order = list(blocks)
     for r in range(repeats):
         for block in (order if r % 2 == 0 else order[::-1]):
-            times = {}
-            for n in (1, long[block]) if r % 2 == 0 else (long[block], 1):
-                t0 = clock()
-                run(block, n)
-                times[n] = clock() - t0
+            times = {n: seconds(block, n) for n in ((1, long[block]) if r % 2 == 0 else (long[block], 1))}
             diffs[block].append((times[long[block]] - times[1]) / (long[block] - 1))
             if diffs[block][-1] <= 0:  # noise larger than the steps: the long run per step bounds it above
                 diffs[block][-1] = times[long[block]] / long[block]

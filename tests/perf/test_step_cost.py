@@ -51,13 +51,19 @@ def test_a_step_costs_the_difference_of_the_long_and_short_runs_without_compile_
                             calibrate=True, clock=device.clock)
     assert got.costs == pytest.approx({1: 0.01, 4: 0.03, 16: 0.2})
     assert got.histogram == (1,) + (0,) * 14 + (3,) and got.seconds == pytest.approx(device.now)
-    # every block warm before any timed run; the calibration runs the largest block until done; the timed runs
-    # alternate order round by round; every run has the batch's rows
-    warm = [(b, n) for b in (1, 4, 16) for n in (1, step_cost.STEPS)]
-    assert [c[:2] for c in device.calls[:6]] == warm and device.calls[6] == (16, 8, True, 3)
-    timed = [c[0] for c in device.calls[7:]]
-    assert timed[:6] == [1, 1, 4, 4, 16, 16] and timed[6:12] == [16, 16, 4, 4, 1, 1]
-    assert {c[3] for c in device.calls} == {3} and not any(c[2] for c in device.calls[7:])
+    # every block compiled and warm, its long run's steps doubled until they take WINDOW more than one step, before
+    # any timed run; the calibration runs the largest block until done; the timed runs alternate order round by
+    # round; every run has the batch's rows
+    longs = {b: next(n for n in (4 * 2**k for k in range(9)) if (n - 1) * c >= step_cost.WINDOW - 1e-9)
+             for b, c in {1: 0.01, 4: 0.03, 16: 0.2}.items()}
+    assert longs == {1: 32, 4: 16, 16: 4}
+    sizing = [(b, n) for b in (1, 4, 16) for n in [1, 1] + [4 * 2**k for k in range(9) if 4 * 2**k <= longs[b]]]
+    k = len(sizing)
+    assert [c[:2] for c in device.calls[:k]] == sizing and device.calls[k] == (16, 8, True, 3)
+    timed = [c[:2] for c in device.calls[k + 1:]]
+    assert timed[:6] == [(1, 1), (1, 32), (4, 1), (4, 16), (16, 1), (16, 4)]
+    assert timed[6:12] == [(16, 4), (16, 1), (4, 16), (4, 1), (1, 32), (1, 1)]
+    assert {c[3] for c in device.calls} == {3} and not any(c[2] for c in device.calls[k + 1:])
 
 
 def test_a_cheap_step_is_timed_over_a_window_long_enough_for_a_busy_machine(tiny_pair, monkeypatch):
@@ -68,8 +74,7 @@ def test_a_cheap_step_is_timed_over_a_window_long_enough_for_a_busy_machine(tiny
                             clock=device.clock)
     assert got.costs == pytest.approx({1: 0.001, 16: 0.004})
     longest = {b: max(n for blk, n, _, _ in device.calls if blk == b) for b in (1, 16)}
-    for block, cost in ((1, 0.001), (16, 0.004)):  # the warm run's time per step sizes the long run
-        assert abs(longest[block] - step_cost.WINDOW / cost) <= 1
+    assert longest == {1: 512, 16: 128}  # the first doubling of 4 whose extra steps take WINDOW (0.3 s)
 
 
 def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tmp_path):
