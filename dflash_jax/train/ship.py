@@ -267,7 +267,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
 
     export = work / "export"
     if "export" in stages:  # matrices in bfloat16 (the repository's size; loaders compute in f32 on request)
-        from dflash_jax.drafter import load_drafter, save_drafter
+        from dflash_jax.models.drafter import load_drafter, save_drafter
         for name in ("target", "drafter"):
             shutil.rmtree(export / name, ignore_errors=True)
         with_mtp = load_target(final_dir, jnp.float32, progress=False)
