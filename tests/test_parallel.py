@@ -246,11 +246,19 @@ def _kernels(mesh_shape) -> dict:
                 g=("batch", None, "v_heads"), beta=("batch", None, "v_heads"),
                 state=("batch", "v_heads", None, None), n=("batch",))
 
+    from dflash_jax.models import layers as L  # the models' kernel calls: per device on a mesh
+
     def run(a):
-        return (kernels.attention(a["q"], a["k"], a["v"], a["start"], a["start"] + T, impl=MODE),
-                kernels.gdn_verify(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE),
-                kernels.gdn_replay(a["gk"], a["gv"], a["g"], a["state"], a["n"], impl=MODE),
-                kernels.gdn_chunked(a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"], impl=MODE))
+        def gdn(fn, xs, labels, out):
+            return L._gdn(lambda *x: fn(*x, impl=MODE), MODE, xs, labels, out, a["gk"], a["gv"])
+
+        qk, v, gate, st = L._QK, L._V, L._GATE, L._STATE
+        return (L.attention(a["q"], a["k"], a["v"], a["start"], a["start"] + T, causal=True, mode=MODE),
+                gdn(kernels.gdn_verify, (a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"]),
+                    (qk, qk, v, gate, gate, st), (v, v)),
+                gdn(kernels.gdn_replay, (a["gk"], a["gv"], a["g"], a["state"], a["n"]), (qk, v, gate, st, ("B",)), st),
+                gdn(kernels.gdn_chunked, (a["gq"], a["gk"], a["gv"], a["g"], a["beta"], a["state"]),
+                    (qk, qk, v, gate, gate, st), (v, st)))
 
     want = jax.jit(run)(args)
     mesh = _mesh(mesh_shape)
