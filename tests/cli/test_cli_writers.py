@@ -4,27 +4,18 @@ leaves every directory byte-for-byte as it was (hashed before and after); --over
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from dirhash import tree_hash
 
 from dflash_jax import cli
 from dflash_jax.io import atomic, checkpoint
 from dflash_jax.models import quark
 from dflash_jax.models.target import init_target, load_target
 from dflash_jax.train.lm import hf_config, small_config
-
-
-def _hash(root) -> str:
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(p.relative_to(root).as_posix().encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture
@@ -54,19 +45,19 @@ def test_quantize_never_replaces_a_drafter_directory(dense, tmp_path, capsys, mo
     from dflash_jax.models import target as target_module
 
     drafter = _drafter_dir(tmp_path / "drafter")
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     load = target_module.load_target
     monkeypatch.setattr(target_module, "load_target", lambda *a, **k: pytest.fail("loaded before the check"))
     err = _fail(capsys, ["quantize", "--model", str(dense), "--out", str(drafter), "--quiet"])
     assert f"--out {drafter}" in err and "non-empty directory that dflash-jax quantize did not write" in err
-    assert "--overwrite" in err and _hash(tmp_path) == before
+    assert "--overwrite" in err and tree_hash(tmp_path) == before
     with pytest.raises(atomic.WriteError, match="did not write"):  # the library call refuses it too
         quark.quantize_checkpoint(dense, drafter, progress=False)
-    assert _hash(tmp_path) == before
+    assert tree_hash(tmp_path) == before
     for out in (dense, dense / "mxfp4", tmp_path):  # its own input, inside it, or holding it: even with --overwrite
         err = _fail(capsys, ["quantize", "--model", str(dense), "--out", str(out), "--overwrite", "--quiet"])
         assert str(out) in err and f"source checkpoint {dense}" in err
-        assert _hash(tmp_path) == before
+        assert tree_hash(tmp_path) == before
     monkeypatch.setattr(target_module, "load_target", load)
     assert cli.main(["quantize", "--model", str(dense), "--out", str(drafter), "--overwrite", "--quiet"]) == 0
     assert atomic.written_by(drafter) == quark.WRITER
@@ -79,7 +70,7 @@ def test_train_commands_never_write_into_their_input_or_a_foreign_directory(tmp_
     user = tmp_path / "notes"
     user.mkdir()
     (user / "todo.txt").write_text("keep me")
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     argv = {"train-drafter": ["--target", str(target)], "train-mtp": ["--target", str(target)],
             "train-target": ["--tokenizer", str(target)], "train-tokenizer": []}
     for command, inputs in argv.items():
@@ -90,7 +81,7 @@ def test_train_commands_never_write_into_their_input_or_a_foreign_directory(tmp_
             assert f"--out {target.absolute()} is or holds the source checkpoint {target}" in err
             err = _fail(capsys, [command, *inputs, "--out", str(tmp_path / "new"), "--ckpt-dir", str(target / "ck")])
             assert f"--ckpt-dir {target / 'ck'} is inside the source checkpoint {target}" in err
-        assert _hash(tmp_path) == before
+        assert tree_hash(tmp_path) == before
     err = _fail(capsys, ["train-target", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o"),
                          "--ckpt-dir", str(tmp_path / "o" / "ck")])
     assert "overlap" in err
@@ -105,21 +96,21 @@ def test_train_tokenizer_on_a_corpus_directory_writes_reruns_and_refuses_others(
     assert cli.main(["train-tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
     assert (out / "tokenizer.json").is_file() and atomic.written_by(out) == "dflash-jax train-tokenizer"
     assert cli.main(["train-tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     err = _fail(capsys, ["train-target", "--tokenizer", str(tmp_path / "other"), "--corpus", str(corpus),
                          "--out", str(out)])
     assert "dflash-jax train-target did not write (dflash-jax train-tokenizer wrote it)" in err
-    assert _hash(tmp_path) == before
+    assert tree_hash(tmp_path) == before
 
 
 def test_bench_out_that_holds_a_user_file_is_refused(tmp_path, capsys):
     out = tmp_path / "results"
     out.mkdir()
     (out / "bench.json").write_text('{"mine": true}')
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     err = _fail(capsys, ["bench", "--out", str(out), "--quiet"])
     assert f"--out {out}" in err and "dflash-jax bench did not write" in err
-    assert _hash(tmp_path) == before
+    assert tree_hash(tmp_path) == before
 
 
 def test_a_tools_json_file_replaces_only_its_own(tmp_path, capsys):
@@ -131,10 +122,10 @@ def test_a_tools_json_file_replaces_only_its_own(tmp_path, capsys):
 
     mine = tmp_path / "notes.json"
     mine.write_text('{"my": "notes"}')
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     err = _fail(capsys, ["perf-model", "--json", str(mine)])
     assert f"--json {mine}: an existing file that dflash-jax perf-model did not write" in err and "--overwrite" in err
-    assert _hash(tmp_path) == before
+    assert tree_hash(tmp_path) == before
 
     def tool(args):
         atomic.write_text(args.json, '{"rows": []}')

@@ -4,7 +4,6 @@ writer are removed by the next. Every refusal leaves the directories byte-for-by
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -12,18 +11,9 @@ import sys
 import textwrap
 
 import pytest
+from dirhash import tree_hash
 
 from dflash_jax.io import atomic
-
-
-def _hash(root) -> str:
-    """One digest of every file's path and bytes under ``root`` (and of the folder names)."""
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(p.relative_to(root).as_posix().encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 def _model(path):
@@ -35,24 +25,24 @@ def _model(path):
 
 def test_a_directory_of_someone_else_is_refused_unchanged_and_overwrite_allows_it(tmp_path):
     drafter = _model(tmp_path / "drafter")
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     for write in (lambda: atomic.claim_directory(drafter, writer="dflash-jax bench"),
                   lambda: atomic.check_replaceable(drafter, writer="dflash-jax quantize", flag="--out"),
                   lambda: atomic.directory_writer(drafter, writer="dflash-jax quantize", flag="--out").__enter__()):
         with pytest.raises(atomic.WriteError, match=rf"--out {drafter}.* non-empty directory that dflash-jax \w+ did "
                                                     rf"not write \(no {atomic.MARKER} in it\).*--overwrite"):
             write()
-        assert _hash(tmp_path) == before
+        assert tree_hash(tmp_path) == before
     with atomic.directory_writer(drafter, writer="dflash-jax quantize", overwrite=True) as tmp:
         (tmp / "config.json").write_text("{}")
     assert atomic.written_by(drafter) == "dflash-jax quantize"
     with atomic.directory_writer(drafter, writer="dflash-jax quantize") as tmp:  # its own: a rerun replaces it
         (tmp / "config.json").write_text('{"again": 1}')
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     with pytest.raises(atomic.WriteError, match="that dflash-jax train-target did not write \\(dflash-jax quantize "
                                                 "wrote it\\)"):
         atomic.check_replaceable(drafter, writer="dflash-jax train-target")
-    assert _hash(tmp_path) == before
+    assert tree_hash(tmp_path) == before
 
 
 def test_claim_directory_creates_marks_and_reclaims(tmp_path):
@@ -73,13 +63,13 @@ def test_claim_directory_creates_marks_and_reclaims(tmp_path):
 def test_an_output_never_is_holds_or_lies_in_an_input_model(tmp_path, where):
     model = _model(tmp_path / "parent" / "model")
     out = {"is": model, "holds": tmp_path / "parent", "inside": model / "sub"}[where]
-    before = _hash(tmp_path)
+    before = tree_hash(tmp_path)
     phrase = "is inside the source checkpoint" if where == "inside" else "is or holds the source checkpoint"
     for write in (lambda: atomic.claim_directory(out, writer="w", sources=[model], overwrite=True),
                   lambda: atomic.directory_writer(out, writer="w", sources=[model], overwrite=True).__enter__()):
         with pytest.raises(atomic.WriteError, match=f"{out} {phrase} {model}"):
             write()
-        assert _hash(tmp_path) == before
+        assert tree_hash(tmp_path) == before
 
 
 _KILLED = textwrap.dedent("""
