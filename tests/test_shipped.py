@@ -17,7 +17,8 @@ from dflash_jax.train.evaluate import eval_prompts
 
 # Measured on the shipped models (the first 4 HumanEval prompts, 64 new tokens, greedy): see MODEL_CARD.md;
 # the test's own two generate calls, run once on dflash_jax/assets, printing out.tau.
-MEASURED_TAU_16 = 3.77  # per-row 5.08, 1.80, 5.67, 2.52 (lossless: True), 2026-12-03: the last tap final-normed (HF convention)
+# per-row 5.08, 1.80, 5.67, 2.52 (lossless: True), 2026-12-03, the last tap final-normed (HF convention)
+MEASURED_TAU_16 = 3.77
 MARGIN = 0.5
 
 
