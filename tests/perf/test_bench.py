@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_oracle import tiny_drafter_config
 
 from dflash_jax.cli import main
-from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import pad_prompts
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
@@ -37,12 +37,7 @@ def setup(hf_dense, tmp_path_factory):
     _, target_dir = hf_dense
     root = tmp_path_factory.mktemp("bench")
     target = load_target(target_dir, dtype=jnp.float32, progress=False)
-    cfg = DrafterConfig(hidden_size=target.cfg.hidden_size, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-6,
-                        rope_theta=10000.0, vocab_size=target.cfg.vocab_size, block_size=4,
-                        mask_token_id=target.cfg.vocab_size - 1, target_layer_ids=(0, 2),
-                        num_target_layers=target.cfg.num_hidden_layers, layer_types=("full_attention",),
-                        sliding_window=None, is_causal=None, target_hidden_size=target.cfg.hidden_size)
+    cfg = tiny_drafter_config(target.cfg)
     save_drafter(root / "drafter", init_drafter(cfg, dtype=jnp.float32))
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate([EOS, MASK, "[UNK]", *WORDS])}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

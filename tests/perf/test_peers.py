@@ -7,8 +7,8 @@ import itertools
 
 import jax.numpy as jnp
 import pytest
+from hf_oracle import tiny_drafter_config
 
-from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding.api import generate
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import init_drafter, save_drafter
@@ -30,12 +30,7 @@ def pair(hf_dense, tmp_path_factory):
     drafter tapping layers 0 and 2 (z-lab's hidden_states[1] and [3])."""
     _, target_dir = hf_dense
     target = load_target(target_dir, dtype=jnp.float32, progress=False)
-    cfg = DrafterConfig(hidden_size=target.cfg.hidden_size, num_hidden_layers=1, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=16, intermediate_size=48, rms_norm_eps=1e-6,
-                        rope_theta=10000.0, vocab_size=target.cfg.vocab_size, block_size=4,
-                        mask_token_id=target.cfg.vocab_size - 1, target_layer_ids=(0, 2),
-                        num_target_layers=target.cfg.num_hidden_layers, layer_types=("full_attention",),
-                        sliding_window=None, is_causal=None, target_hidden_size=target.cfg.hidden_size)
+    cfg = tiny_drafter_config(target.cfg)
     draft_dir = tmp_path_factory.mktemp("peers") / "drafter"
     save_drafter(draft_dir, init_drafter(cfg, dtype=jnp.float32))
     return target_dir, draft_dir, target
