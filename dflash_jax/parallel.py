@@ -25,7 +25,7 @@ TP=8: 24 query heads, 48 GDN value heads and 16 GDN key heads (with the GDN chan
 head) shard; its 4 KV heads do not, so k_proj/v_proj and the attention K/V caches are replicated on
 every model shard.
 
-Several processes (hosts): ``mesh_from_args`` joins them with ``jax.distributed.initialize`` from
+Several processes (hosts): ``cli.args.mesh_from_args`` joins them with ``jax.distributed.initialize`` from
 the CLI's flags or the environment JAX documents, and ``host`` gathers rows spread over processes.
 """
 

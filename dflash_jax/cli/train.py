@@ -183,10 +183,11 @@ def cmd_mtp(args) -> None:
     if args.seq - args.prompt_len < 2:
         raise ValueError(f"--seq {args.seq} leaves {args.seq - args.prompt_len} generated tokens after --prompt-len "
                          f"{args.prompt_len}; the MTP head needs at least 2 (it predicts the token after next)")
+    mt.check_data(args.seq, args.prompt_len, args.unroll, args.anchors)
     target = load_target(args.target, jnp.float32, mtp=False)
     seqs, tok = _regenerated(args, target)
     with_mtp, res = mt.train_mtp(target, seqs, args.prompt_len, tcfg, batch=args.batch, seed=args.seed,
-                                 ckpt_dir=args.ckpt_dir)
+                                 unroll=args.unroll, anchors=args.anchors, ckpt_dir=args.ckpt_dir)
     with _output(args, args.target) as tmp:
         lm.save_target(tmp, with_mtp)
         tk.save_hf(tok, tmp)
@@ -227,5 +228,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("train-mtp", help="train the target's MTP head on the frozen target")
     _data_args(p)
     p.add_argument("--out", type=Path, required=True, help="target directory written with its mtp.* head")
+    p.add_argument("--unroll", type=int, default=7, help="steps the head is trained over, fed its own output from "
+                   "step 2 on, as it drafts (the shipped recipe: 7)")
+    p.add_argument("--anchors", type=int, default=16, help="chains per sequence per step for steps >= 2")
     _loop_args(p, steps=100, lr=2e-3, batch=8)
     p.set_defaults(func=cmd_mtp)

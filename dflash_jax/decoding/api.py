@@ -168,7 +168,8 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     if block == 1:
         proposer, pparams = NoProposer(), ()
     rows = _token_rows(prompts)
-    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)))
+    tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
+                                  vocab_size=target.cfg.vocab_size)
     loop = SpeculativeLoop.of(target, proposer, spec, mesh)
     return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
 

@@ -77,15 +77,26 @@ def mtp_loss_fn(graphdef, prompt_len: int, unroll: int):
     return loss_fn
 
 
+def check_data(seq_len: int, prompt_len: int, unroll: int, anchors: int) -> tuple[int, int]:
+    """The first and last chain anchor, [prompt_len - 1, seq_len - unroll - 2]; refuses, before any work,
+    settings that leave fewer than ``anchors`` positions or train no step."""
+    for name, value in (("unroll", unroll), ("anchors", anchors)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"training settings: {name} must be an integer >= 1, got {value!r}")
+    lo, hi = prompt_len - 1, seq_len - unroll - 2
+    if hi - lo + 1 < anchors:
+        raise ValueError(f"training settings: sequences of {seq_len} tokens with a {prompt_len}-token prompt leave "
+                         f"{max(hi - lo + 1, 0)} chain anchors for {unroll} unrolled steps, fewer than {anchors} "
+                         "per sequence: lengthen the sequence or use fewer anchors or a shorter unroll")
+    return lo, hi
+
+
 def mtp_batches(seqs: np.ndarray, hidden: np.ndarray, prompt_len: int, *, batch: int, unroll: int, anchors: int,
                 seed: int):
     """Endless seeded batches: random sequences and ``anchors`` distinct chain anchors t each, in
     [prompt_len - 1, L - unroll - 2] (the first is where decoding's first draft starts; the last keeps
     every label in bounds)."""
-    L = seqs.shape[1]
-    lo, hi = prompt_len - 1, L - unroll - 2
-    if hi - lo + 1 < anchors:
-        raise ValueError(f"only {hi - lo + 1} anchor positions in [{lo}, {hi}] for {anchors} chains per sequence")
+    lo, hi = check_data(seqs.shape[1], prompt_len, unroll, anchors)
     rng = np.random.default_rng(seed)
     while True:
         rows = np.sort(rng.integers(0, len(seqs), size=batch))

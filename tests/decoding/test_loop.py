@@ -308,9 +308,6 @@ def test_nonfinite_logits_finish_the_row_as_nonfinite(hf_dense):
         assert out.finish_names() == ["nonfinite"] and int(out.finish_reason[0]) == FinishReason.NONFINITE, name
     out = _run(_with_nan_embedding(target, jnp.arange(target.cfg.vocab_size)), NoProposer(), (), prompts, 1)
     assert out.finish_names() == ["nonfinite"] and int(out.lengths[0]) == 0 and (np.asarray(out.tokens) == -1).all()
-    # A temperature so small that logits / temperature overflow: not a token, a non-finite finish.
-    out = _run(target, NoProposer(), (), prompts, 1, sampling=SamplingConfig(temperature=1e-45))
-    assert out.finish_names() == ["nonfinite"] and int(out.lengths[0]) == 0
 
 
 def test_top_k_beyond_the_vocabulary_is_refused(hf_dense):
@@ -472,7 +469,7 @@ def test_bad_rng_is_a_clear_error():
     for rng, message in ((jax.random.split(jax.random.key(0), 3), r"rng: a batch of keys needs one key per row, "
                                                                    r"got shape \(3,\) for 2 rows"),
                          (np.zeros((3, 2), np.uint32), r"got shape \(3,\) for 2 rows"),
-                         (1.5, "rng must be an int seed, a key"),
+                         (1.5, "rng must be an int seed or a jax.random key"),
                          (np.zeros((2, 3), np.uint32), "rng must be an int seed")):
         with pytest.raises(ValueError, match=message):
             generate(target, prompts, max_new_tokens=2, rng=rng)

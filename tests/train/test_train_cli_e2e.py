@@ -31,7 +31,7 @@ def test_train_commands_on_a_corpus_of_ones_own(tmp_path, capsys):
     out = capsys.readouterr()
     assert "drafter (taps [1, 2, 3]" in out.out  # the shipped recipe on a 4-layer target
     assert "data: the target continues 4 snippets by 16 tokens" in out.err
-    assert cli.main(["train-mtp", *data, "--out", str(mtp)]) == 0
+    assert cli.main(["train-mtp", *data, "--out", str(mtp), "--unroll", "3", "--anchors", "2"]) == 0
     for path, command in ((tok, "train-tokenizer"), (target, "train-target"), (drafter, "train-drafter"),
                           (mtp, "train-mtp")):
         assert atomic.written_by(path) == f"dflash-jax {command}"

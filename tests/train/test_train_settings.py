@@ -47,6 +47,8 @@ def no_work(monkeypatch):
     (["train-drafter", "--taps", "1,9"], "--taps '1,9': expected distinct layer ids in 0..3"),
     (["train-drafter", "--taps", "a"], "--taps 'a': expected comma-separated layer ids"),
     (["train-mtp", "--steps", "0"], "--steps"), (["train-mtp", "--seq", "65"], "needs at least 2"),
+    (["train-mtp", "--seq", "86"], "leave 15 chain anchors for 7 unrolled steps, fewer than 16"),
+    (["train-mtp", "--unroll", "0"], "unroll must be an integer >= 1"),
     (["train-tokenizer", "--vocab", "10"], "--vocab 10: must be at least 258"),
 ])
 def test_degenerate_flags_are_refused_before_any_work(tmp_path, capsys, no_work, argv, match):
@@ -93,7 +95,7 @@ def test_a_corpus_directory_or_jsonl_of_ones_own(tmp_path):
     d = tmp_path / "texts"
     (d / "sub").mkdir(parents=True)
     (d / "a.txt").write_text("alpha")
-    (d / "sub" / "b.md").write_text("beta")
+    (d / "sub" / "b.txt").write_text("beta")
     (d / ".hidden").write_text("no")
     (d / "bin").write_bytes(b"\xff\xfe\x00")
     assert corpus.user_texts(d) == ["alpha", "beta"]
