@@ -43,6 +43,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax.io import checkpoint
+
 if TYPE_CHECKING:
     from dflash_jax.config import DrafterConfig, TargetConfig
 
@@ -183,15 +185,19 @@ def param_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
 
 
 def axes_by_key(params) -> dict[str, tuple[str | None, ...]]:
-    """Checkpoint key (the parameter's path joined by dots) -> its logical axes, for an ``nnx.State``."""
-    return {".".join(map(str, path)): param_axes(v) for path, v in nnx.to_flat_state(params)}
+    """Checkpoint key (``checkpoint.param_tensors``) -> its parameter's logical axes, for an ``nnx.State``."""
+    return {key: param_axes(v) for key, _, v in checkpoint.param_tensors(params)}
 
 
 def param_shardings(params, layout: Layout):
     """A pytree of NamedShardings matching ``params`` (an ``nnx.State`` of arrays or ShapeDtypeStructs),
-    each parameter's from the logical axes it declared."""
-    return jax.tree.map(lambda v: v.replace(layout.sharding(param_axes(v), v.shape)), params,
-                        is_leaf=lambda x: isinstance(x, nnx.Variable))
+    each parameter's from the logical axes it declared; every array of a pytree-valued parameter (an MXFP4
+    weight's codes [out, in/2] and scales [out, in/32]) split along the same axes."""
+    def shardings(v):
+        axes = param_axes(v)
+        return v.replace(jax.tree.map(lambda a: layout.sharding(axes, a.shape), v.get_value()))
+
+    return jax.tree.map(shardings, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:

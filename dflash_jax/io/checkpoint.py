@@ -3,7 +3,9 @@
 This sits between ``config.py`` and the model code (``layers``/``target``/drafter): the model builds
 ``expected`` ({canonical key: ShapeDtypeStruct}) from its config, and ``load_state`` finds each key in
 a checkpoint directory, checks its shape, casts it and places it on device. Canonical keys are the
-text-only HF names in HF orientation (Linear weights [out, in]); this module knows nothing about the
+text-only HF names in HF orientation (Linear weights [out, in]): a parameter's path, or for a parameter
+holding a pytree (an MXFP4 weight's codes + scales) one key per array (``tensor_keys``, Quark's
+``.weight`` + ``.weight_scale``). Otherwise this module knows nothing about the
 model beyond two normalisations of file keys: ``model.language_model.`` -> ``model.`` and per-expert
 MoE tensors stacked into the fused ``experts.gate_up_proj`` [E, 2I, D] / ``experts.down_proj`` [E, D, I].
 Tensors are read one at a time with seek + readinto, so a 27B model never needs two host copies.
@@ -15,7 +17,7 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +46,7 @@ DTYPES: dict[str, np.dtype] = {
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit; a larger length means a corrupt file
 _PREFIX = ("model.language_model.", "model.")
-# ``.weight_scale``: an MXFP4 expert's e8m0 scales (quant.py), stacked like its packed weight.
+# ``.weight_scale``: an MXFP4 expert's e8m0 scales (``tensor_keys``), stacked like its codes.
 _PER_EXPERT = re.compile(
     r"^(?P<group>.+\.experts)\.(?P<e>\d+)\.(?P<proj>(gate|up|down)_proj)\.weight(?P<scale>_scale)?$")
 
@@ -191,18 +193,39 @@ def to_device(key: str, host: np.ndarray) -> jax.Array:
     return jax.device_put(host)
 
 
+def tensor_keys(key: str, value) -> list[str]:
+    """The checkpoint keys of one parameter's arrays, in ``jax.tree.leaves`` order (``key``: its path joined by
+    dots): an array is stored at ``key``; a pytree value (an MXFP4 weight, ``layers.MXFP4Weight``: codes + scales)
+    stores its first leaf there and each other at ``<key>_<field>``, AMD Quark's layout (``q_proj.weight`` codes +
+    ``q_proj.weight_scale``, ``experts.gate_up_proj`` + ``experts.gate_up_proj_scale``)."""
+    paths = [path for path, _ in jax.tree_util.tree_leaves_with_path(value)]
+    return [key if i == 0 else f"{key}_{path[-1].name}" for i, path in enumerate(paths)]
+
+
+def param_tensors(params) -> Iterator[tuple[str, object, nnx.Variable]]:
+    """(checkpoint key, array, its parameter) for every array of an ``nnx.State`` (keys: ``tensor_keys``)."""
+    for path, v in nnx.to_flat_state(params):
+        value = v.get_value()
+        for key, leaf in zip(tensor_keys(".".join(map(str, path)), value), jax.tree.leaves(value), strict=True):
+            yield key, leaf, v
+
+
 def load_params(path, model, *, ignore: Sequence[str] = (), place: Callable[[str, np.ndarray], jax.Array] = to_device,
                 progress: bool = True):
     """``(graphdef, params)`` of an abstract NNX model (built under ``nnx.eval_shape``) filled from the checkpoint
-    at ``path``: every parameter's path, joined by dots, is its checkpoint key, and ``load_state`` checks them
-    all (``ignore``, ``place`` and ``progress`` as there) before any data is read. The one load sequence of
-    every model."""
+    at ``path``: every array's checkpoint key is its parameter's path joined by dots (``tensor_keys``), and
+    ``load_state`` checks them all (``ignore``, ``place`` and ``progress`` as there) before any data is read. The
+    one load sequence of every model."""
     graphdef, abstract = nnx.split(model)
-    flat = nnx.to_flat_state(abstract)
-    keys = [".".join(map(str, path_)) for path_, _ in flat]
-    arrays = load_state(path, {k: v.get_value() for k, (_, v) in zip(keys, flat, strict=True)}, ignore=ignore,
-                        place=place, progress=progress)
-    return graphdef, nnx.from_flat_state([(p, v.replace(arrays[k])) for k, (p, v) in zip(keys, flat, strict=True)])
+    arrays = load_state(path, {key: a for key, a, _ in param_tensors(abstract)}, ignore=ignore, place=place,
+                        progress=progress)
+
+    def filled(path_, v):
+        value = v.get_value()
+        leaves = [arrays[k] for k in tensor_keys(".".join(map(str, path_)), value)]
+        return v.replace(jax.tree.unflatten(jax.tree.structure(value), leaves))
+
+    return graphdef, nnx.from_flat_state([(p, filled(p, v)) for p, v in nnx.to_flat_state(abstract)])
 
 
 def load_state(

@@ -52,10 +52,10 @@ class DrafterAttention(nnx.Module):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
         self.kernels = kernels
-        self.q_proj = Linear(D, N * H, dtype=dtype, rngs=rngs, axes=("heads", None))
-        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
-        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
-        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
+        self.q_proj = Linear(D, N * H, dtype=dtype, kernels=kernels, rngs=rngs, axes=("heads", None))
+        self.k_proj = Linear(D, K * H, dtype=dtype, kernels=kernels, rngs=rngs, axes=("kv_heads", None))
+        self.v_proj = Linear(D, K * H, dtype=dtype, kernels=kernels, rngs=rngs, axes=("kv_heads", None))
+        self.o_proj = Linear(N * H, D, dtype=dtype, kernels=kernels, rngs=rngs, axes=(None, "heads"))
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
 
@@ -100,7 +100,7 @@ class DrafterLayer(nnx.Module):
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
-        self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, kernels=kernels, rngs=rngs)
 
     def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
                  rot: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -120,7 +120,8 @@ class DFlashDrafter(nnx.Module):
     def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.kernels = kernels = dispatch.resolve(kernels)
-        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, dtype=dtype,
+                         kernels=kernels, rngs=rngs)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.layers = nnx.List([DrafterLayer(cfg, i, dtype=dtype, kernels=kernels, rngs=rngs)
                                 for i in range(cfg.num_hidden_layers)])

@@ -9,7 +9,10 @@ Numerics follow transformers: norms and gates in f32, the gated delta rule in f3
 
 The layers that call a kernel hold its mode (``kernels``: "reference", "pallas" or "interpret") as a
 plain attribute, which NNX keeps in the static graph: it is part of every jit cache key that the
-graph is, and ``with_kernels`` gives a model the same weights under another mode.
+graph is, and ``with_kernels`` gives a model the same weights under another mode. ``Linear`` holds one
+too, for the MXFP4 matmul: a projection's weight parameter holds either a dense array or an
+``MXFP4Weight`` (``quant.py`` swaps the value, keeping the parameter and its logical axes), and
+``Linear`` and ``Experts`` dispatch on that value's type.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from flax import nnx
 
 from dflash_jax import kernels, parallel
 from dflash_jax.config import TargetConfig
+from dflash_jax.io import checkpoint
 from dflash_jax.kernels import mxfp4
 from dflash_jax.models.cache import GDNCache, GDNPending
 from dflash_jax.models.rope import rotate
@@ -60,19 +64,55 @@ def _normal(rngs: nnx.Rngs, shape, dtype, axes=None, std=0.02):
     return parallel.param((std * jax.random.normal(rngs.params(), shape)).astype(dtype), axes)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MXFP4Weight:
+    """An MXFP4 weight (``kernels/mxfp4.py``'s format), the value a projection's parameter holds in place of the
+    dense [..., out, in] array: e2m1 ``codes`` uint8 [..., out, in/2] (two per byte) and e8m0 ``scale`` uint8
+    [..., out, in/32] (one per 32 inputs). Both split along the parameter's logical axes (a shard of whole heads
+    is whole 32-input scale blocks). Checkpoint keys are Quark's: the codes at the parameter's key, the scales
+    at ``<key>_scale`` (``checkpoint.tensor_keys``). ``input_scale_mode``: dynamic MXFP4 activations
+    (``mxfp4.qdq_mxfp4`` of the input, Quark's ``input_tensors``) or None (weight-only); a static field, so part
+    of the parameter tree's structure and of every jit cache key."""
+
+    codes: jax.Array
+    scale: jax.Array
+    input_scale_mode: str | None = dataclasses.field(default=None, metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The dense weight's shape [..., out, in]."""
+        return (*self.codes.shape[:-1], 2 * self.codes.shape[-1])
+
+    @classmethod
+    def quantize(cls, w, scale_mode: str, input_scale_mode: str | None) -> MXFP4Weight:
+        """``w`` [..., out, in] quantized (``mxfp4.quantize_mxfp4``); a ShapeDtypeStruct (an abstract model,
+        ``nnx.eval_shape``) gives the shapes only."""
+        if isinstance(w, jax.ShapeDtypeStruct):
+            lead, K = w.shape[:-1], w.shape[-1]
+            return cls(jax.ShapeDtypeStruct((*lead, K // 2), jnp.uint8),
+                       jax.ShapeDtypeStruct((*lead, K // mxfp4.BLOCK), jnp.uint8), input_scale_mode)
+        return cls(*mxfp4.quantize_mxfp4(w, scale_mode), input_scale_mode)
+
+    def dequantize(self, dtype) -> jax.Array:
+        return mxfp4.dequantize_mxfp4(self.codes, self.scale, dtype)
+
+
 class Linear(nnx.Module):
     """``y = x W^T`` with W stored [out, in] as in PyTorch checkpoints; no bias. ``axes``: W's logical axes
-    (out, in), e.g. ("heads", None) for a column-parallel projection; None: replicated."""
+    (out, in), e.g. ("heads", None) for a column-parallel projection; None: replicated. W is a dense array or
+    an ``MXFP4Weight``, which runs ``mxfp4.mxfp4_linear`` in the kernel mode ``kernels``."""
 
-    def __init__(self, din: int, dout: int, *, dtype, rngs: nnx.Rngs, axes=None):
+    def __init__(self, din: int, dout: int, *, dtype, kernels: str, rngs: nnx.Rngs, axes=None):
+        self.kernels = kernels
         self.weight = _normal(rngs, (dout, din), dtype, axes)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if hasattr(self, "weight_scale"):  # MXFP4 (quant.py): weight [out, in/2] e2m1 pairs + scales [out, in/32]
+        w = self.weight.get_value()
+        if isinstance(w, MXFP4Weight):
             impl = self.kernels if parallel.traced_mesh() is None else "reference"  # a custom call is not split
-            return mxfp4.mxfp4_linear(x, self.weight[...], self.weight_scale[...],
-                                      input_scale_mode=self.input_scale_mode, impl=impl)
-        return jnp.einsum("...i,oi->...o", x, self.weight[...])
+            return mxfp4.mxfp4_linear(x, w.codes, w.scale, input_scale_mode=w.input_scale_mode, impl=impl)
+        return jnp.einsum("...i,oi->...o", x, w)
 
 
 class Embedding(nnx.Module):
@@ -121,31 +161,31 @@ class GatedRMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs, axes=("mlp", None))
-        self.up_proj = Linear(dim, hidden, dtype=dtype, rngs=rngs, axes=("mlp", None))
-        self.down_proj = Linear(hidden, dim, dtype=dtype, rngs=rngs, axes=(None, "mlp"))
+    def __init__(self, dim: int, hidden: int, *, dtype, kernels: str, rngs: nnx.Rngs):
+        self.gate_proj = Linear(dim, hidden, dtype=dtype, kernels=kernels, rngs=rngs, axes=("mlp", None))
+        self.up_proj = Linear(dim, hidden, dtype=dtype, kernels=kernels, rngs=rngs, axes=("mlp", None))
+        self.down_proj = Linear(hidden, dim, dtype=dtype, kernels=kernels, rngs=rngs, axes=(None, "mlp"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Experts(nnx.Module):
-    """Routed experts in the fused checkpoint layout: gate_up_proj [E, 2I, D], down_proj [E, D, I]."""
+    """Routed experts in the fused checkpoint layout: gate_up_proj [E, 2I, D], down_proj [E, D, I], each a dense
+    array or an ``MXFP4Weight``."""
 
     def __init__(self, num: int, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
         self.gate_up_proj = _normal(rngs, (num, 2 * hidden, dim), dtype, ("experts", None, None))
         self.down_proj = _normal(rngs, (num, dim, hidden), dtype, ("experts", None, None))
 
     def project(self, name: str, x: jax.Array, group_sizes: jax.Array, impl: str) -> jax.Array:
-        """x [M, Din] rows sorted by expert times the experts' ``name`` weight -> [M, Dout]; MXFP4 when
-        quant.py gave the weight a ``<name>_scale``."""
-        w = getattr(self, name)[...]
-        if not hasattr(self, name + "_scale"):
-            return kernels.grouped_matmul(x, w, group_sizes, impl=impl)
-        if self.input_scale_mode is not None:
-            x = mxfp4.qdq_mxfp4(x, self.input_scale_mode)
-        return mxfp4.mxfp4_grouped_matmul(x, w, getattr(self, name + "_scale")[...], group_sizes, impl=impl)
+        """x [M, Din] rows sorted by expert times the experts' ``name`` weight -> [M, Dout]."""
+        w = getattr(self, name).get_value()
+        if isinstance(w, MXFP4Weight):
+            if w.input_scale_mode is not None:
+                x = mxfp4.qdq_mxfp4(x, w.input_scale_mode)
+            return mxfp4.mxfp4_grouped_matmul(x, w.codes, w.scale, group_sizes, impl=impl)
+        return kernels.grouped_matmul(x, w, group_sizes, impl=impl)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -155,10 +195,10 @@ class SparseMoeBlock(nnx.Module):
         D = cfg.hidden_size
         self.kernels = kernels
         self.top_k = cfg.num_experts_per_tok
-        self.gate = Linear(D, cfg.num_experts, dtype=dtype, rngs=rngs)
+        self.gate = Linear(D, cfg.num_experts, dtype=dtype, kernels=kernels, rngs=rngs)
         self.experts = Experts(cfg.num_experts, D, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
-        self.shared_expert = MLP(D, cfg.shared_expert_intermediate_size, dtype=dtype, rngs=rngs)
-        self.shared_expert_gate = Linear(D, 1, dtype=dtype, rngs=rngs)
+        self.shared_expert = MLP(D, cfg.shared_expert_intermediate_size, dtype=dtype, kernels=kernels, rngs=rngs)
+        self.shared_expert_gate = Linear(D, 1, dtype=dtype, kernels=kernels, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
@@ -198,10 +238,10 @@ class GatedAttention(nnx.Module):
         D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.cfg = cfg
         self.kernels = kernels
-        self.q_proj = Linear(D, N * H * 2, dtype=dtype, rngs=rngs, axes=("heads", None))
-        self.k_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
-        self.v_proj = Linear(D, K * H, dtype=dtype, rngs=rngs, axes=("kv_heads", None))
-        self.o_proj = Linear(N * H, D, dtype=dtype, rngs=rngs, axes=(None, "heads"))
+        self.q_proj = Linear(D, N * H * 2, dtype=dtype, kernels=kernels, rngs=rngs, axes=("heads", None))
+        self.k_proj = Linear(D, K * H, dtype=dtype, kernels=kernels, rngs=rngs, axes=("kv_heads", None))
+        self.v_proj = Linear(D, K * H, dtype=dtype, kernels=kernels, rngs=rngs, axes=("kv_heads", None))
+        self.o_proj = Linear(N * H, D, dtype=dtype, kernels=kernels, rngs=rngs, axes=(None, "heads"))
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
@@ -269,11 +309,11 @@ def gdn_channels(cfg: TargetConfig, key: str, host: np.ndarray, axes: tuple[str 
 
 def hf_tensors(cfg: TargetConfig, params: nnx.State) -> Iterator[tuple[str, np.ndarray]]:
     """A target's parameters as HF checkpoint tensors, one (key, host array) at a time, as stored (dtype,
-    fused experts, MXFP4 bytes), with the GDN channels back in the checkpoint's q | k | v order
-    (``gdn_channels``); a consumer that converts each keeps one host copy of it, not two."""
-    for path, v in nnx.to_flat_state(params):
-        key = ".".join(map(str, path))
-        yield key, gdn_channels(cfg, key, np.asarray(v.get_value()), parallel.param_axes(v), to_hf=True)
+    fused experts, MXFP4 codes and scales at their keys: ``checkpoint.param_tensors``), with the GDN channels
+    back in the checkpoint's q | k | v order (``gdn_channels``); a consumer that converts each keeps one host
+    copy of it, not two."""
+    for key, a, v in checkpoint.param_tensors(params):
+        yield key, gdn_channels(cfg, key, np.asarray(a), parallel.param_axes(v), to_hf=True)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -295,17 +335,19 @@ class GatedDeltaNet(nnx.Module):
         D, C, Hv = cfg.hidden_size, cfg.conv_dim, cfg.linear_num_value_heads
         self.cfg = cfg
         self.kernels = kernels
-        self.in_proj_qkv = Linear(D, C, dtype=dtype, rngs=rngs, axes=("gdn_channels", None))
-        self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, rngs=rngs, axes=("v_heads", None))
-        self.in_proj_b = Linear(D, Hv, dtype=dtype, rngs=rngs, axes=("v_heads", None))
-        self.in_proj_a = Linear(D, Hv, dtype=dtype, rngs=rngs, axes=("v_heads", None))
+        self.in_proj_qkv = Linear(D, C, dtype=dtype, kernels=kernels, rngs=rngs, axes=("gdn_channels", None))
+        self.in_proj_z = Linear(D, cfg.linear_value_dim, dtype=dtype, kernels=kernels, rngs=rngs,
+                                axes=("v_heads", None))
+        self.in_proj_b = Linear(D, Hv, dtype=dtype, kernels=kernels, rngs=rngs, axes=("v_heads", None))
+        self.in_proj_a = Linear(D, Hv, dtype=dtype, kernels=kernels, rngs=rngs, axes=("v_heads", None))
         self.conv1d = DepthwiseConv(C, cfg.linear_conv_kernel_dim, dtype=dtype, rngs=rngs)
         # Decay parameters stay f32 whatever the model dtype: they feed exp() of a cumulative sum.
         self.A_log = parallel.param(jnp.log(jax.random.uniform(rngs.params(), (Hv,), minval=1.0, maxval=16.0)),
                                     ("v_heads",))
         self.dt_bias = parallel.param(jnp.ones((Hv,), jnp.float32), ("v_heads",))
         self.norm = GatedRMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, rngs=rngs, axes=(None, "v_heads"))
+        self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, kernels=kernels, rngs=rngs,
+                               axes=(None, "v_heads"))
 
     def _prepare(self, x, conv_window, *, speculative: bool):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).

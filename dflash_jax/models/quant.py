@@ -1,33 +1,32 @@
 """MXFP4 target weights: AMD Quark's checkpoint layout, quantized projections in the model, the writer.
 
-Where it sits: between ``layers.py`` and ``target.py``. A projection holds MXFP4 weights when its
-module carries a ``<weight>_scale`` parameter beside the packed weight; ``Linear`` and ``Experts``
-then compute through ``kernels/mxfp4.py`` (the Pallas kernels on a GPU, a dequantizing reference
-elsewhere). ``load_target`` asks this module which projections a checkpoint stores quantized
-(``quantize_modules`` on the abstract model) and converts between bf16 and MXFP4 at load time
-(``convert``); ``save_quark`` writes a quantized target back in Quark's layout. The drafter never
-comes here: it stays bf16.
+Where it sits: between ``layers.py`` and ``target.py``. A projection holds MXFP4 weights when its weight
+parameter (a ``Linear``'s ``weight``, the MoE experts' fused ``gate_up_proj`` / ``down_proj``) holds a
+``layers.MXFP4Weight`` in place of the dense array: this module swaps the parameter's value and nothing
+else, so the parameter keeps its logical axes (``parallel.param``) and the module its attributes; ``Linear``
+and ``Experts`` dispatch on the value's type and compute through ``kernels/mxfp4.py`` (the Pallas kernels on
+a GPU, a dequantizing reference elsewhere). ``load_target`` asks this module which projections a checkpoint
+stores quantized (``quantize_modules`` on the abstract model) and converts between bf16 and MXFP4 at load
+time (``convert``); ``save_quark`` writes a quantized target back in Quark's layout. The drafter never comes
+here: it stays bf16.
 
-The format (``kernels/mxfp4.py``): e2m1 codes two per byte, the even-index element
-in the low nibble; one e8m0 scale byte s per 32 consecutive inputs, value 2^(s - 127). Parameter
-paths stay checkpoint keys: ``<module>.weight`` uint8 [out, in/2] + ``<module>.weight_scale`` uint8
-[out, in/32]; the fused MoE experts hold ``experts.gate_up_proj`` [E, 2I, D/2] +
-``experts.gate_up_proj_scale`` [E, 2I, D/32] (``down_proj`` likewise), which the checkpoint loader
-stacks from Quark's per-expert ``experts.{e}.{gate,up,down}_proj.weight(_scale)`` tensors.
+The format (``kernels/mxfp4.py``): e2m1 codes two per byte, the even-index element in the low nibble; one
+e8m0 scale byte s per 32 consecutive inputs, value 2^(s - 127). Checkpoint keys (``checkpoint.tensor_keys``)
+are Quark's: ``<module>.weight`` uint8 codes [out, in/2] + ``<module>.weight_scale`` uint8 [out, in/32]; the
+fused MoE experts store ``experts.gate_up_proj`` [E, 2I, D/2] + ``experts.gate_up_proj_scale`` [E, 2I, D/32]
+(``down_proj`` likewise), which the checkpoint loader stacks from Quark's per-expert
+``experts.{e}.{gate,up,down}_proj.weight(_scale)`` tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import ConfigError, QuantConfig
-from dflash_jax.kernels import mxfp4
 from dflash_jax.kernels.mxfp4 import BLOCK
-from dflash_jax.models.layers import Experts, Linear
+from dflash_jax.models.layers import Experts, Linear, MXFP4Weight
 
 __all__ = ["convert", "dequantize_modules", "layout", "plan", "quantize_modules", "restore_layout"]
 
@@ -43,7 +42,7 @@ def _projections(module):
         if isinstance(sub, Linear):
             yield f"{name}.weight", sub, "weight", [name]
         elif isinstance(sub, Experts):
-            E = sub.down_proj.get_value().shape[0]
+            E = sub.down_proj.shape[0]
             yield (f"{name}.gate_up_proj", sub, "gate_up_proj",
                    [f"{name}.{e}.{p}" for e in range(E) for p in ("gate_proj", "up_proj")])
             yield f"{name}.down_proj", sub, "down_proj", [f"{name}.{e}.down_proj" for e in range(E)]
@@ -66,36 +65,21 @@ def plan(module, qcfg: QuantConfig) -> list[str]:
         if path.startswith("mtp."):
             raise ConfigError(f"quantization_config.exclude must cover 'mtp.*' ({path!r} is not excluded): the "
                               "MTP proposer builds the head from the config and reads its weights dense")
-        width = getattr(sub, attr).get_value().shape[-1] * (2 if hasattr(sub, attr + "_scale") else 1)
-        if width % BLOCK == 0:  # the input width, whether the weight is dense or already packed
+        if getattr(sub, attr).shape[-1] % BLOCK == 0:  # the input width, dense or MXFP4 (``MXFP4Weight.shape``)
             out.append(path)
     return out
 
 
 def _apply(module, paths, input_scale_mode: str | None, scale_mode: str) -> None:
-    """Swaps each weight in ``paths`` for packed codes + ``<attr>_scale``: shapes only on an abstract
-    module (``nnx.eval_shape``), quantized values on a concrete one."""
+    """Replaces the value of each weight parameter in ``paths`` by its ``MXFP4Weight``: shapes only on an
+    abstract module (``nnx.eval_shape``), quantized values on a concrete one. ``var.replace`` keeps the
+    parameter's metadata (its logical axes), so codes and scales shard along the weight's axes."""
     todo = set(paths)
-    kernels = getattr(module, "kernels", None)  # the model's kernel mode (layers.with_kernels keeps it in step)
     for path, sub, attr, _ in _projections(module):
-        if path not in todo:
-            continue
-        todo.discard(path)
-        var = getattr(sub, attr)
-        w = var.get_value()
-        if isinstance(w, jax.ShapeDtypeStruct):
-            K = w.shape[-1]
-            packed = jax.ShapeDtypeStruct((*w.shape[:-1], K // 2), jnp.uint8)
-            scale = jax.ShapeDtypeStruct((*w.shape[:-1], K // BLOCK), jnp.uint8)
-        else:
-            packed, scale = mxfp4.quantize_mxfp4(w, scale_mode)
-        # Codes [out, in/2] and scales [out, in/32] keep the weight's logical axes (``var.replace``: its metadata),
-        # so both split along the same one (a column shard of whole heads is whole 32-input scale blocks).
-        setattr(sub, attr, var.replace(packed))
-        setattr(sub, attr + "_scale", var.replace(scale))
-        sub.input_scale_mode = input_scale_mode  # static: part of the graph, so of every jit cache key
-        if isinstance(sub, Linear):
-            sub.kernels = kernels
+        if path in todo:
+            todo.discard(path)
+            var = getattr(sub, attr)
+            setattr(sub, attr, var.replace(MXFP4Weight.quantize(var.get_value(), scale_mode, input_scale_mode)))
     if todo:
         raise ConfigError(f"MXFP4 layout names projections this model does not have: {sorted(todo)[:5]}")
 
@@ -111,30 +95,21 @@ def dequantize_modules(module, dtype) -> list[str]:
     """Replaces every MXFP4 weight of ``module`` by its dequantized values in ``dtype``, in place."""
     done = []
     for path, sub, attr, _ in _projections(module):
-        if hasattr(sub, attr + "_scale"):
-            scale = getattr(sub, attr + "_scale").get_value()
-            w = mxfp4.dequantize_mxfp4(getattr(sub, attr).get_value(), scale, dtype)
-            setattr(sub, attr, getattr(sub, attr).replace(w))  # keeps its logical axes
-            delattr(sub, attr + "_scale")
+        var = getattr(sub, attr)
+        if isinstance(w := var.get_value(), MXFP4Weight):
+            setattr(sub, attr, var.replace(w.dequantize(dtype)))  # keeps its logical axes
             done.append(path)
-            if not any(hasattr(sub, a + "_scale") for a in ("weight", "gate_up_proj", "down_proj")):
-                del sub.input_scale_mode
-                if isinstance(sub, Linear):
-                    del sub.kernels
     return done
 
 
 def layout(module) -> dict | None:
     """The MXFP4 layout of ``module`` as JSON (for converted copies), None when nothing is quantized."""
-    paths, modes = [], set()
-    for path, sub, attr, _ in _projections(module):
-        if hasattr(sub, attr + "_scale"):
-            paths.append(path)
-            modes.add(sub.input_scale_mode)
-    if not paths:
+    quantized = {path: w for path, sub, attr, _ in _projections(module)
+                 if isinstance(w := getattr(sub, attr).get_value(), MXFP4Weight)}
+    if not quantized:
         return None
-    (mode,) = modes
-    return {"quantized": paths, "input_scale_mode": mode}
+    (mode,) = {w.input_scale_mode for w in quantized.values()}
+    return {"quantized": list(quantized), "input_scale_mode": mode}
 
 
 def restore_layout(module, spec: dict | None) -> None:

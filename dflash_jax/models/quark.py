@@ -27,9 +27,9 @@ from dflash_jax.models.target import load_target
 
 
 def _tensors(target, dtype) -> dict[str, np.ndarray]:
-    """Checkpoint key -> host array (``layers.hf_tensors``: HF order): fused experts split into Quark's (and
-    transformers') per-expert tensors; float tensors cast to ``dtype`` (each uncast copy dropped once cast),
-    MXFP4 bytes kept."""
+    """Checkpoint key -> host array (``layers.hf_tensors``: HF order, an MXFP4 weight as its codes at ``<key>``
+    and scales at ``<key>_scale``): fused experts split into Quark's (and transformers') per-expert tensors;
+    float tensors cast to ``dtype`` (each uncast copy dropped once cast), MXFP4 bytes kept."""
     out = {}
     for key, a in hf_tensors(target.cfg, target.params):
         if a.dtype != np.uint8:

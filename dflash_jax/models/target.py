@@ -64,7 +64,7 @@ class DecoderLayer(nnx.Module):
         if cfg.is_moe:
             self.mlp = SparseMoeBlock(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         else:
-            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+            self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, kernels=kernels, rngs=rngs)
 
     def _mlp_residual(self, x, h):
         x = x + h
@@ -99,7 +99,7 @@ class MTP(nnx.Module):
 
     def __init__(self, cfg: TargetConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
-        self.fc = Linear(2 * D, D, dtype=dtype, rngs=rngs)
+        self.fc = Linear(2 * D, D, dtype=dtype, kernels=kernels, rngs=rngs)
         self.pre_fc_norm_embedding = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.pre_fc_norm_hidden = RMSNorm(D, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype=dtype, kernels=kernels, rngs=rngs)
@@ -116,7 +116,7 @@ class Qwen35ForCausalLM(nnx.Module):
         self.kernels = kernels = kernel_modes.resolve(kernels)
         self.model = TextModel(cfg, dtype=dtype, kernels=kernels, rngs=rngs, layers=layers)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs, axes=("vocab", None))
+            cfg.hidden_size, cfg.vocab_size, dtype=dtype, kernels=kernels, rngs=rngs, axes=("vocab", None))
         self.mtp = MTP(cfg, dtype=dtype, kernels=kernels, rngs=rngs) if mtp and cfg.mtp_num_hidden_layers else None
 
     def logits(self, h: jax.Array) -> jax.Array:

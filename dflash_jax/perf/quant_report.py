@@ -40,11 +40,10 @@ def weight_bytes(dense, mx) -> dict:
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(mx.params)}
     ref = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(dense.params)}
     names = quant.layout(mx.module())["quantized"]
-    scale = {n: n.removesuffix(".weight") + ".weight_scale" if n.endswith(".weight") else n + "_scale" for n in names}
-    mx_bytes = sum(flat[n].nbytes + flat[scale[n]].nbytes for n in names)
+    mx_bytes = sum(flat[n].codes.nbytes + flat[n].scale.nbytes for n in names)  # each an MXFP4Weight
     bf16_bytes = sum(math.prod(ref[n].shape) * 2 for n in names)
     return dict(tensors=len(names), mxfp4_bytes=mx_bytes, bf16_bytes=bf16_bytes, ratio=round(mx_bytes / bf16_bytes, 4),
-                all_params_mxfp4=sum(a.nbytes for a in flat.values()),
+                all_params_mxfp4=sum(a.nbytes for a in jax.tree.leaves(mx.params)),
                 all_params_bf16=sum(math.prod(a.shape) * 2 for a in ref.values()))
 
 

@@ -20,7 +20,7 @@ from dflash_jax.io import checkpoint
 from dflash_jax.kernels import mxfp4
 from dflash_jax.models import quant, quark
 from dflash_jax.models.drafter import init_drafter
-from dflash_jax.models.layers import with_kernels
+from dflash_jax.models.layers import Experts, Linear, MXFP4Weight, with_kernels
 from dflash_jax.models.target import Qwen35ForCausalLM, init_target, load_target, save_converted
 
 # e2m1 magnitudes by code 0..7 (OCP MX spec: bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa).
@@ -160,14 +160,13 @@ def test_default_plan_quantizes_projections_and_keeps_heads_dense(pair):
         assert "model.layers.2.mlp.down_proj.weight" in names
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(q.params)}
     w = flat["model.layers.3.self_attn.q_proj.weight"]
-    assert w.dtype == jnp.uint8 and w.shape == (64, 16)
-    assert flat["model.layers.3.self_attn.q_proj.weight_scale"].shape == (64, 1)
+    assert isinstance(w, MXFP4Weight) and w.shape == (64, 32)
+    assert (w.codes.dtype, w.codes.shape, w.scale.dtype, w.scale.shape) == (jnp.uint8, (64, 16), jnp.uint8, (64, 1))
 
 
 def _bytes(target, names):
     flat = {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(target.params)}
-    return sum(flat[n].nbytes + flat[n.removesuffix(".weight") + (".weight_scale" if n.endswith(".weight")
-                                                                    else "_scale")].nbytes for n in names)
+    return sum(flat[n].codes.nbytes + flat[n].scale.nbytes for n in names)
 
 
 def test_quantized_logits_close_to_dense(pair):
@@ -337,6 +336,36 @@ def test_save_quark_round_trip_and_orbax_copy(tmp_path):
     assert quant.layout(conv.module()) == quant.layout(q.module())
     for a, b in zip(jax.tree.leaves(conv.params), jax.tree.leaves(q.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_quantized_projection_is_one_parameter_holding_an_mxfp4_weight(tmp_path):
+    """Loaded from Quark's keys (``<module>.weight`` codes + ``<module>.weight_scale``, fused experts stacked from
+    per-expert ones), each quantized projection keeps its one weight parameter, now holding an ``MXFP4Weight``
+    with the parameter's logical axes; the modules carry exactly the dense model's attributes (no ``*_scale``
+    parameter, no mode bolted on); written back, the keys are Quark's again."""
+    target = init_target(CONFIGS["moe"], dtype=jnp.float32, seed=2)
+    _write_dense(target, tmp_path / "src")
+    qcfg = QuantConfig(exclude=(*DEFAULT_EXCLUDE, "*.linear_attn.*"))
+    quark.save_quark(quant.convert(target, True, qcfg), qcfg, tmp_path / "src", tmp_path / "q", dtype=jnp.float32)
+    keys = set(checkpoint.checkpoint_files(tmp_path / "q"))
+    assert {"model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.q_proj.weight_scale",
+            "model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.0.mlp.experts.1.up_proj.weight_scale",
+            "model.layers.0.linear_attn.in_proj_qkv.weight"} <= keys
+    assert "model.layers.0.linear_attn.in_proj_qkv.weight_scale" not in keys  # excluded: dense
+
+    q = load_target(tmp_path / "q", dtype=jnp.float32, progress=False).module()
+    q_proj, experts = q.model.layers[3].self_attn.q_proj, q.model.layers[0].mlp.experts
+    w = q_proj.weight.get_value()
+    assert isinstance(w, MXFP4Weight) and (w.codes.shape, w.scale.shape) == ((64, 16), (64, 1))
+    assert q_proj.weight.get_metadata()["logical_axes"] == ("heads", None)
+    assert isinstance(experts.gate_up_proj.get_value(), MXFP4Weight) and experts.gate_up_proj.shape == (4, 64, 32)
+    assert not isinstance(q.model.layers[0].linear_attn.in_proj_qkv.weight.get_value(), MXFP4Weight)
+    dense = dict(nnx.iter_graph(target.module()))
+    for path, sub in nnx.iter_graph(q):
+        if isinstance(sub, Linear | Experts):
+            assert vars(sub).keys() == vars(dense[path]).keys(), path
+    assert not hasattr(q_proj, "weight_scale") and not hasattr(experts, "gate_up_proj_scale")
+    assert set(quark._tensors(quant.convert(target, True, qcfg), np.float32)) == keys
 
 
 def test_mxfp4_gdn_rows_move_with_their_scales(tmp_path):
