@@ -276,14 +276,15 @@ class SpeculativeLoop:
     def check_memory(self, params, prompts, prompt_lens) -> None:
         """Before a run allocates its state: a clear error when the loop state of these concrete inputs
         (params and prompts [B, P] as ``run`` / ``init`` take them) exceeds the memory of the device it is
-        allocated on (the mesh's, else the params' device, else JAX's default). Tracing, ``eval_shape``
-        and lowering for another device (a compile-only TPU, say) allocate nothing and check nothing."""
+        allocated on (this process's first of the mesh, else the params' device, else its first local one).
+        Tracing, ``eval_shape`` and lowering for another device (a compile-only TPU, say) allocate nothing and
+        check nothing."""
         state = jax.eval_shape(lambda: self.init(params, jnp.asarray(prompts), jnp.asarray(prompt_lens), 0))
-        if self.mesh is not None:
-            device = self.mesh.devices.flat[0]
+        if self.mesh is not None:  # one of this process's devices: another process's reports no memory here
+            device = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         else:
             placed = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
-            device = next(iter(placed[0].devices())) if placed else jax.devices()[0]
+            device = next(iter(placed[0].devices())) if placed else jax.local_devices()[0]
         capacity = state.cache.rope.shape[0]  # the position table [S, 2, R/2]
         self._check_held(state.anchor.shape[0], capacity, (state.cache, state.proposer), device)
 
