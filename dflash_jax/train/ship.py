@@ -61,7 +61,7 @@ class Sizes:
     drafter_intermediate: int = 704  # with the heads: 7.8% of the target's FLOPs per token (regime.drafter_share)
     anchors: int = 16
     drafter_batch: int = 8
-    drafter_steps: int = 600  # what 35 minutes of a shared 2-core CPU allowed (MODEL_CARD.md)
+    drafter_steps: int = 5000  # ~30 minutes of a quiet 2-core CPU (MODEL_CARD.md)
     drafter_lr: float = 2e-3
     drafter_stop: int = 0  # stop after this step (0: drafter_steps); resumable
     mtp_batch: int = 8  # same sequences and batch as the drafter; half its steps (an unrolled step costs ~2x)
