@@ -301,7 +301,7 @@ class SpeculativeLoop:
         Greedy reads one logit per position: the chosen token is the argmax, and argmax returns a NaN's
         index, so its logit is the peak. Sampling takes the max over V (beside the several passes over V
         that its rules make)."""
-        rules = self.spec.sampling if rules is None else rules  # a state's rows' rules (``_rules``) or the spec's
+        rules = self._rules() if rules is None else rules
         greedy = lambda: jnp.isfinite(jnp.take_along_axis(logits, chosen[..., None], axis=-1)[..., 0])
         if isinstance(rules, RowSampling):  # max(x) / t = max(x / t), t > 0; greedy rows as greedy
             t = rules.rows(chosen, "temperature")

@@ -109,6 +109,15 @@ def read_safetensors_header(file) -> tuple[dict, int]:
     return header, data_start
 
 
+def matrices_in(tensors, dtype) -> dict[str, np.ndarray]:
+    """``tensors`` ((key, array) pairs or a dict) with every matrix (ndim >= 2) cast to ``dtype`` (e.g. bfloat16:
+    half the bytes; the loaders cast to the dtype they are asked for), the vectors (norms, GDN decays) as they
+    are; ``dtype`` None: all as they are."""
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    return {k: np.asarray(v).astype(jax.numpy.dtype(dtype)) if dtype is not None and np.ndim(v) >= 2 else v
+            for k, v in items}
+
+
 def write_safetensors(file, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
     """Writes ``tensors`` in the standard safetensors format (atomically: ``atomic.file_writer``)."""
     file = Path(file)

@@ -260,7 +260,6 @@ def save_drafter(path: str | Path, drafter: Drafter, *, matrix_dtype=None) -> No
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(drafter.cfg.to_hf(), indent=2))  # each file whole
-    tensors = {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(drafter.params)}
-    if matrix_dtype is not None:
-        tensors = {k: v.astype(jnp.dtype(matrix_dtype)) if v.ndim >= 2 else v for k, v in tensors.items()}
+    tensors = checkpoint.matrices_in(((k, np.asarray(a)) for k, a, _ in checkpoint.param_tensors(drafter.params)),
+                                     matrix_dtype)
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})

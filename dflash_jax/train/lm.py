@@ -70,9 +70,9 @@ def save_target(path: str | Path, target: Target, *, matrix_dtype=None) -> None:
     if matrix_dtype is not None:
         config["torch_dtype"] = jnp.dtype(matrix_dtype).name
     atomic.write_text(path / "config.json", json.dumps(config, indent=2))  # each file whole
-    checkpoint.write_safetensors(path / "model.safetensors", {
-        k: v.astype(jnp.dtype(matrix_dtype)) if matrix_dtype is not None and v.ndim >= 2 else v
-        for k, v in hf_tensors(target.cfg, target.params)}, metadata={"format": "pt"})
+    checkpoint.write_safetensors(path / "model.safetensors",
+                                 checkpoint.matrices_in(hf_tensors(target.cfg, target.params), matrix_dtype),
+                                 metadata={"format": "pt"})
 
 
 def lm_loss_fn(graphdef):
