@@ -55,9 +55,11 @@ def test_filters_keep_the_smallest_top_set_in_proportion(logits, temperature, to
     np.testing.assert_allclose(got[order][:n], ref, rtol=1e-4, atol=1e-7)
 
 
+# No subnormals: XLA's CPU code flushes them to zero (1.4e-45 ties with 0.0 there, not in numpy).
 @settings(max_examples=200, deadline=None)
 @given(rows=st.lists(st.lists(st.sampled_from([-np.inf, np.inf, np.nan, -1.5, 0.0, 0.0, 2.0, 3.25, 3.25]) |
-                              st.floats(-4, 4, width=32), min_size=V, max_size=V), min_size=1, max_size=4),
+                              st.floats(-4, 4, width=32, allow_subnormal=False), min_size=V, max_size=V),
+                     min_size=1, max_size=4),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
 def test_argmax_is_numpys_first_nan_else_first_peak(rows, dtype):
     """The two-reduction argmax picks what numpy's does: ties (repeated values are drawn often) go to the
