@@ -73,13 +73,13 @@ def _release_compiled_programs_past_mappings():
         _release()
 
 
-# The files that take longest, longest first (CPU seconds on 2 cores, 2026-12-01: 308 (its 8-device
-# subprocess), 276, 105, 101, 87, 83, 75, 55; every other file < 50;
-# 2026-12-03: tests/serve's test_engine.py 80, test_zlab_client.py 78). They run first, the rest in file
-# order: under xdist (one file per worker at a time, addopts) no worker is left alone with one of them at
-# the end, which the file-size order xdist uses by default did (test_train_ship.py, 2 tests, ran last).
-FIRST = ("test_parallel.py", "test_loop.py", "test_train_ship.py", "test_quant.py", "test_bench.py",
-         "test_notebooks.py", "test_target.py", "test_engine.py", "test_zlab_client.py", "test_cli.py")
+# The files that take longest, longest first (CPU seconds on 2 cores, 2026-12-03; the default run: test_loop.py
+# 243, test_bench.py 108, test_cli.py 89, test_parallel.py 69 (its 8-device subprocess), test_engine.py 56;
+# with -m slow also test_parallel.py's full matrix 165, test_train_ship.py 232, test_notebooks.py 155). They run
+# first, the rest in file order: under xdist (one file per worker at a time, addopts) no worker is left alone
+# with one of them at the end, which the file-size order xdist uses by default did (test_train_ship.py ran last).
+FIRST = ("test_loop.py", "test_train_ship.py", "test_parallel.py", "test_notebooks.py", "test_bench.py", "test_cli.py",
+         "test_engine.py", "test_quant.py", "test_target.py", "test_zlab_client.py")
 
 
 def pytest_collection_modifyitems(config, items):

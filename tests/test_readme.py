@@ -31,7 +31,6 @@ def test_readme_is_short_and_starts_with_what_it_is():
     assert "speculative decoding" in " ".join(lines[:4])
 
 
-@pytest.mark.slow  # four compiled loops (~1 min of CPU)
 @pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="shipped assets absent")
 def test_from_python_example_runs_as_written(capsys):
     scope: dict = {}

@@ -72,7 +72,7 @@ def part_tests(repo: Path, smoke: bool, budget: Budget) -> dict:
     files = [str(repo / "tests" / f) for f in KERNEL_TESTS if (repo / "tests" / f).exists()]
     if not files:
         return dict(skipped=f"no kernel test files under {repo / 'tests'}")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", "", *files]
     if smoke:
         cmd.append("--collect-only")
     # This process already holds its GPU; without preallocation the tests' process takes what it needs of the rest.

@@ -77,8 +77,7 @@ def _drafter_for(target, block=8, seed=0):
     return init_drafter(cfg, dtype=jnp.float32, seed=seed)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("batch", ["one", "mixed"])
+@pytest.mark.parametrize("batch", [pytest.param("one", marks=pytest.mark.slow), "mixed"])
 def test_greedy_oracle_lossless_every_acceptance_count(tiny, batch):
     kind, target = tiny
     lens = PROMPT_LENS if batch == "mixed" else PROMPT_LENS[:1]
@@ -345,7 +344,6 @@ def _exact_joint(target, prompt, cfg, n=3):
     return joint
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
     target = _tiny_vocab_target()

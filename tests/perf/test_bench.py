@@ -280,7 +280,7 @@ def test_random_config_benches_models_made_from_configs_alone(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["bench", "--random-config", f"{target_cfg},{drafter_cfg}", "--methods", "ar,dflash:4",
                  "--simulate-acceptance", "3", "--max-new-tokens", "9", "--num-prompts", "1", "--random-prompt-len",
-                 "20", "--repeats", "1", "--no-plots", "--quiet", "--out", str(out)]) == 0
+                 "20", "--repeats", "1", "--profile-batches", "0", "--no-plots", "--quiet", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["models"]["random_weights"] and report["models"]["tokenizer"] is None
     (ar, dflash) = report["results"]

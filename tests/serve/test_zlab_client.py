@@ -53,8 +53,7 @@ class _Marks(io.StringIO):
         return super().write(text)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("concurrency, prompts", [(1, 4), (32, 32)])
+@pytest.mark.parametrize("concurrency, prompts", [pytest.param(1, 4, marks=pytest.mark.slow), (32, 32)])
 def test_zlab_client_figures_match_the_servers_counters(server, monkeypatch, concurrency, prompts):
     monkeypatch.setattr(benchmark, "load_and_process_dataset", _humaneval(server.served.tokenizer))
     args = zlab_parser().parse_args([
