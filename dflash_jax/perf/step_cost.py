@@ -11,11 +11,15 @@ alternating order, round by round, so the machine's drift hits all alike), the m
 rounds. The timed runs step exactly as often as asked (a row that reached its length steps on, doing
 the same work), with no stop ids.
 
-Where the drafter has no acceptance card the largest block's program, run once to its end, is the
-calibration too (its histogram of accepted drafts). Results are kept in memory per (model key, batch,
-backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing.
-What it costs: one compilation per candidate block, plus ~(2 + REPEATS) x WINDOW of runs each (about 10 s
-for five blocks on a quiet machine; the reason line says how long it took).
+Where the drafter has no acceptance card the largest block's program, run once to its end first, is the
+calibration too (its histogram of accepted drafts). With the acceptance known (card or calibration) the
+blocks are sized in increasing order and a block is left untimed, and uncompiled, where it cannot win: a
+step's cost grows with the block, so a block b above a sized block s emits at most E[tokens | b] / cost(s)
+per second, and b is dropped where that bound is under ``PRUNE`` x the best rate sized so far (the margin
+covers the sizing's noise). Results are kept in memory per (model key, batch, backend, blocks, sampling,
+prompt bucket, tokens): a second choice in one process measures nothing. What it costs: one compilation
+per block it times (~6 s each for the shipped pair on 2 cores), plus ~(2 + REPEATS) x WINDOW of runs each;
+the reason line says how long it took.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ WINDOW = 0.3  # seconds: the long run's steps take at least this much more than 
 # steps of a 2 ms plain step read 49 ms there
 MAX_STEPS = 1024
 REPEATS = 5  # rounds; each block's cost is the median of its per-round differences
+PRUNE = 0.7  # a block whose bound on tokens/s is under this fraction of the best sized rate is not timed
 _MEMO: dict = {}
 
 
@@ -52,6 +57,8 @@ class StepCosts:
     histogram: tuple[int, ...] | None
     seconds: float  # wall time of the measurement, compilation included (0 when cached)
     cached: bool = False
+    untimed: tuple[int, ...] = ()  # blocks dropped by the bound (module doc): they cannot win
+    compiled: int = 0  # programs compiled
 
 
 def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
@@ -60,10 +67,11 @@ def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
 
 
 def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, max_new_tokens: int,
-            sampling: SamplingConfig = SamplingConfig(), calibrate: bool = False, seed: int = 0, mesh=None,
-            steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter) -> StepCosts:
-    """Seconds per loop step at each of ``blocks`` for ``batch`` rows of ``prompts`` (see the module doc);
-    ``calibrate``: also the largest block's histogram of accepted drafts over a whole run."""
+            sampling: SamplingConfig = SamplingConfig(), calibrate: bool = False, acceptance=None, seed: int = 0,
+            mesh=None, steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter) -> StepCosts:
+    """Seconds per loop step at each of ``blocks`` that can win for ``batch`` rows of ``prompts`` (see the module
+    doc); ``calibrate``: also the largest block's histogram of accepted drafts over a whole run, first;
+    ``acceptance`` (a_k, from a card) or the calibration's lets it leave out blocks that cannot win."""
     if steps < 2 or repeats < 1:
         raise ValueError(f"steps must be >= 2 and repeats >= 1, got {steps} and {repeats}")
     start = clock()
@@ -75,9 +83,11 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=())
         loop, params = method_loop(target, *runtime.proposer_for(method, target, drafter), spec, mesh)
         programs[block] = (loop, params)
+    compiled = set()
 
     def run(block, n, until_done=False):
         loop, params = programs[block]
+        compiled.add(block)
         return jax.block_until_ready(blocksize.run_steps(loop, params, tokens, lengths, seed, jnp.int32(n),
                                                          jnp.bool_(until_done)))
 
@@ -86,17 +96,25 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         run(block, n)
         return clock() - t0
 
-    histogram, long = None, {}
-    for block in blocks:  # untimed: each program's compilation, then warm runs doubling the long run's steps
-        run(block, 1)
-        short, n = seconds(block, 1), steps
-        while seconds(block, n) - short < WINDOW and n < MAX_STEPS:
-            n *= 2
-        long[block] = n
+    histogram = None
     if calibrate:
         histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
-    diffs = {b: [] for b in blocks}
-    order = list(blocks)
+        if sum(histogram):
+            acceptance = blocksize.acceptance_from_histogram(histogram)
+    rate = lambda b, cost: blocksize.expected_tokens(acceptance, b) / cost  # noqa: E731
+    long, rough, untimed = {}, {}, []
+    for block in sorted(blocks):  # untimed: each program's compilation, then warm runs doubling the long run's steps
+        if acceptance is not None and rough and \
+                rate(block, max(rough.values())) < PRUNE * max(rate(b, c) for b, c in rough.items()):
+            untimed.append(block)
+            continue
+        run(block, 1)
+        short, n = seconds(block, 1), steps
+        while (extra := seconds(block, n) - short) < WINDOW and n < MAX_STEPS:
+            n *= 2
+        long[block], rough[block] = n, max(extra, 1e-9) / (n - 1)
+    diffs = {b: [] for b in long}
+    order = [b for b in blocks if b in long]
     for r in range(repeats):
         for block in (order if r % 2 == 0 else order[::-1]):
             times = {n: seconds(block, n) for n in ((1, long[block]) if r % 2 == 0 else (long[block], 1))}
@@ -104,7 +122,8 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
             if diffs[block][-1] <= 0:  # noise larger than the steps: the long run per step bounds it above
                 diffs[block][-1] = times[long[block]] / long[block]
     costs = {b: statistics.median(d) for b, d in diffs.items()}
-    return StepCosts(costs=costs, histogram=histogram, seconds=clock() - start)
+    return StepCosts(costs=costs, histogram=histogram, seconds=clock() - start, untimed=tuple(untimed),
+                     compiled=len(compiled))
 
 
 def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_dir, max_new_tokens: int,
@@ -126,7 +145,8 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
         costs = dataclasses.replace(_MEMO[memo_key], seconds=0.0, cached=True)
     else:
         costs = measure(target, drafter, prompts, batch=batch, blocks=blocks, max_new_tokens=max_new_tokens,
-                        sampling=sampling, calibrate=card is None, seed=seed, mesh=mesh)
+                        sampling=sampling, calibrate=card is None, acceptance=None if card is None else card.acceptance,
+                        seed=seed, mesh=mesh)
         _MEMO[memo_key] = costs
     if card is not None:
         acceptance, source = card.acceptance, f"from {blocksize.CARD} ({card.prompts})"
@@ -137,7 +157,10 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
         source = f"calibrated on these prompts ({sum(costs.histogram)} steps at block {max(blocks)})"
     if unused:
         source += f" ({blocksize.CARD} unused: {unused})"
-    timing = "remembered" if costs.cached else f"measured in {costs.seconds:.1f} s, {len(blocks)} programs compiled"
+    timing = "remembered" if costs.cached else f"measured in {costs.seconds:.1f} s, {costs.compiled} programs compiled"
+    if costs.untimed:
+        timing += (f"; block{'s' * (len(costs.untimed) > 1)} {', '.join(map(str, costs.untimed))} not timed: under "
+                   f"{PRUNE:.0%} of the best even at a smaller block's step cost")
     choice = blocksize.choose_block(acceptance[:max(blocks) - 1], costs.costs, batch=batch,
                                     source=f"{source}; step costs {timing}")
     return choice, costs

@@ -51,15 +51,16 @@ def test_a_step_costs_the_difference_of_the_long_and_short_runs_without_compile_
                             calibrate=True, clock=device.clock)
     assert got.costs == pytest.approx({1: 0.01, 4: 0.03, 16: 0.2})
     assert got.histogram == (1,) + (0,) * 14 + (3,) and got.seconds == pytest.approx(device.now)
-    # every block compiled and warm, its long run's steps doubled until they take WINDOW more than one step, before
-    # any timed run; the calibration runs the largest block until done; the timed runs alternate order round by
-    # round; every run has the batch's rows
+    # the calibration runs the largest block until done, first; then every block compiled and warm, its long
+    # run's steps doubled until they take WINDOW more than one step, before any timed run (no block dropped:
+    # each can win); the timed runs alternate order round by round; every run has the batch's rows
     longs = {b: next(n for n in (4 * 2**k for k in range(9)) if (n - 1) * c >= step_cost.WINDOW - 1e-9)
              for b, c in {1: 0.01, 4: 0.03, 16: 0.2}.items()}
     assert longs == {1: 32, 4: 16, 16: 4}
     sizing = [(b, n) for b in (1, 4, 16) for n in [1, 1] + [4 * 2**k for k in range(9) if 4 * 2**k <= longs[b]]]
     k = len(sizing)
-    assert [c[:2] for c in device.calls[:k]] == sizing and device.calls[k] == (16, 8, True, 3)
+    assert device.calls[0] == (16, 8, True, 3) and [c[:2] for c in device.calls[1:k + 1]] == sizing
+    assert got.untimed == () and got.compiled == 3
     timed = [c[:2] for c in device.calls[k + 1:]]
     assert timed[:6] == [(1, 1), (1, 32), (4, 1), (4, 16), (16, 1), (16, 4)]
     assert timed[6:12] == [(16, 4), (16, 1), (4, 16), (4, 1), (1, 32), (1, 1)]
@@ -77,6 +78,29 @@ def test_a_cheap_step_is_timed_over_a_window_long_enough_for_a_busy_machine(tiny
     assert longest == {1: 512, 16: 128}  # the first doubling of 4 whose extra steps take WINDOW (0.3 s)
 
 
+SHIPPED = {1: 0.00028, 2: 0.00255, 4: 0.00323, 8: 0.00382, 16: 0.00461}  # the shipped pair's steps on 2 cores
+WEIGHT_BOUND = {1: 0.004, 2: 0.0045, 4: 0.005, 8: 0.006, 16: 0.008}  # a target too large for the caches
+
+
+@pytest.mark.parametrize("per_step, accepted, timed", [(SHIPPED, 0.5, (1, 2)), (SHIPPED, 0.95, (1, 2, 8, 16)),
+                                                        (WEIGHT_BOUND, 0.5, (1, 2, 4, 8, 16))])
+def test_blocks_that_cannot_win_are_neither_compiled_nor_timed(tiny_pair, monkeypatch, per_step, accepted, timed):
+    """A block above a timed one costs at least as much, so where even that cost gives it under 70% of the best
+    rate so far it is dropped unrun: on the shipped pair's costs (a plain step 10x cheaper than any speculative
+    one) every block above 2 at acceptance 0.5, block 4 alone at 0.95 (3.7 tokens a step; 8 and 16 emit up to
+    6.7 and 11.2); where the steps cost alike, none."""
+    target, drafter = tiny_pair
+    device = FakeDevice(per_step)
+    monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
+    got = step_cost.measure(target, drafter, [[5, 6, 7]], batch=1, blocks=tuple(per_step), max_new_tokens=8,
+                            acceptance=(accepted,) * 15, repeats=1, clock=device.clock)
+    assert tuple(got.costs) == timed and {c[0] for c in device.calls} == set(timed)
+    assert got.untimed == tuple(b for b in per_step if b not in timed) and got.compiled == len(timed)
+    assert got.costs == pytest.approx({b: per_step[b] for b in timed})
+    rate = {b: blocksize.expected_tokens((accepted,) * 15, b) / per_step[b] for b in per_step}
+    assert max(rate, key=rate.get) in timed  # the block with the most tokens/s is never dropped
+
+
 def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tmp_path):
     """Batch 1 (the steps' cost flat in the block) and batch 32 (growing with it) choose different blocks from the
     same card; the second choice for a batch measures nothing."""
@@ -92,7 +116,7 @@ def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tm
         measured.append((batch, calibrate))
         assert blocks == (1, 2, 4, 8, 16)
         return step_cost.StepCosts(costs=costs[batch], histogram=(0,) * 15 + (5,) if calibrate else None,
-                                   seconds=3.0)
+                                   seconds=3.0, compiled=5)
 
     monkeypatch.setattr(step_cost, "measure", fake_measure)
     kw = dict(key=("t", "d", "float32"), draft_dir=tmp_path, max_new_tokens=8)
