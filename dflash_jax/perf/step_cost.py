@@ -12,14 +12,14 @@ rounds. The timed runs step exactly as often as asked (a row that reached its le
 the same work), with no stop ids.
 
 Where the drafter has no acceptance card the largest block's program, run once to its end first, is the
-calibration too (its histogram of accepted drafts). With the acceptance known (card or calibration) the
-blocks are sized in increasing order and a block is left untimed, and uncompiled, where it cannot win: a
-step's cost grows with the block, so a block b above a sized block s emits at most E[tokens | b] / cost(s)
-per second, and b is dropped where that bound is under ``PRUNE`` x the best rate sized so far (the margin
-covers the sizing's noise). Results are kept in memory per (model key, batch, backend, blocks, sampling,
-prompt bucket, tokens): a second choice in one process measures nothing. What it costs: one compilation
-per block it times (~6 s each for the shipped pair on 2 cores), plus ~(2 + REPEATS) x WINDOW of runs each;
-the reason line says how long it took.
+calibration too (its histogram of accepted drafts). With the acceptance known (card or calibration) the blocks
+are sized in increasing order and a block is left untimed, and uncompiled, where it cannot win: a step's cost
+grows with the block, so a block b above a sized block s emits at most E[tokens | b] / cost(s) per second, and
+b is dropped where that bound is under ``PRUNE`` x the best rate sized so far (each sized cost bounded from
+both sides, with the margin for a noisy sizing run). Results are kept in memory per (model key, batch,
+backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing. What it
+costs: one compilation per block it times (~6 s each for the shipped pair on 2 cores), plus ~(2 + REPEATS) x
+WINDOW of runs each; the reason line says how long it took.
 """
 
 from __future__ import annotations
@@ -101,18 +101,21 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
         if sum(histogram):
             acceptance = blocksize.acceptance_from_histogram(histogram)
-    rate = lambda b, cost: blocksize.expected_tokens(acceptance, b) / cost  # noqa: E731
-    long, rough, untimed = {}, {}, []
+    # The sizing runs bound each sized block's step from both sides: at most the long run per step (fixed costs
+    # included: the best rate is not overrated), at least its extra time over the short run per extra step (a
+    # slow short run lowers it: fewer blocks dropped). A later block costs at least the largest lower bound.
+    expected = lambda b: blocksize.expected_tokens(acceptance, b)  # noqa: E731
+    long, at_most, at_least, untimed = {}, {}, {}, []
     for block in sorted(blocks):  # untimed: each program's compilation, then warm runs doubling the long run's steps
-        if acceptance is not None and rough and \
-                rate(block, max(rough.values())) < PRUNE * max(rate(b, c) for b, c in rough.items()):
+        if acceptance is not None and at_most and expected(block) < \
+                PRUNE * max(at_least.values()) * max(expected(b) / c for b, c in at_most.items()):
             untimed.append(block)
             continue
         run(block, 1)
         short, n = seconds(block, 1), steps
-        while (extra := seconds(block, n) - short) < WINDOW and n < MAX_STEPS:
+        while (took := seconds(block, n)) - short < WINDOW and n < MAX_STEPS:
             n *= 2
-        long[block], rough[block] = n, max(extra, 1e-9) / (n - 1)
+        long[block], at_most[block], at_least[block] = n, took / n, max(took - short, 0.0) / (n - 1)
     diffs = {b: [] for b in long}
     order = [b for b in blocks if b in long]
     for r in range(repeats):

@@ -90,7 +90,7 @@ def test_blocks_that_cannot_win_are_neither_compiled_nor_timed(tiny_pair, monkey
     one) every block above 2 at acceptance 0.5, block 4 alone at 0.95 (3.7 tokens a step; 8 and 16 emit up to
     6.7 and 11.2); where the steps cost alike, none."""
     target, drafter = tiny_pair
-    device = FakeDevice(per_step)
+    device = FakeDevice(per_step, fixed=0.002, prefill=0.001)
     monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
     got = step_cost.measure(target, drafter, [[5, 6, 7]], batch=1, blocks=tuple(per_step), max_new_tokens=8,
                             acceptance=(accepted,) * 15, repeats=1, clock=device.clock)
@@ -99,6 +99,30 @@ def test_blocks_that_cannot_win_are_neither_compiled_nor_timed(tiny_pair, monkey
     assert got.costs == pytest.approx({b: per_step[b] for b in timed})
     rate = {b: blocksize.expected_tokens((accepted,) * 15, b) / per_step[b] for b in per_step}
     assert max(rate, key=rate.get) in timed  # the block with the most tokens/s is never dropped
+
+
+class HiccupDevice(FakeDevice):
+    """A busy machine: every run of ``n`` steps (1: the short runs, else the long ones) takes 0.2 s more."""
+
+    def __init__(self, per_step, n):
+        super().__init__(per_step, fixed=0.002, prefill=0.001)
+        self.n = n
+
+    def run_steps(self, loop, params, tokens, lengths, rng, n, until_done):
+        self.now += 0.2 if (int(n) == 1) == (self.n == 1) and not until_done else 0.0
+        return super().run_steps(loop, params, tokens, lengths, rng, n, until_done)
+
+
+@pytest.mark.parametrize("hiccup", [1, "long"])
+def test_a_slow_sizing_run_drops_no_block_a_quiet_one_keeps(tiny_pair, monkeypatch, hiccup):
+    """A slow short run of plain decoding would make it look 3x cheaper by its extra time alone (the best rate
+    overrated: blocks 8 and 16 dropped); a slow long run raises both bounds alike."""
+    target, drafter = tiny_pair
+    device = HiccupDevice(SHIPPED, hiccup)
+    monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
+    got = step_cost.measure(target, drafter, [[5, 6, 7]], batch=1, blocks=tuple(SHIPPED), max_new_tokens=8,
+                            acceptance=(0.95,) * 15, repeats=1, clock=device.clock)
+    assert set(got.untimed) <= {4} and {1, 2, 8, 16} <= set(got.costs)  # quiet: 4 alone dropped (above)
 
 
 def test_auto_picks_per_batch_and_remembers_the_costs(tiny_pair, monkeypatch, tmp_path):
