@@ -170,7 +170,10 @@ def test_every_flag_has_help_text(command):
 
 @pytest.mark.slow
 def test_ctrl_c_exits_130_without_a_traceback(tiny):
-    main = "import sys; from dflash_jax.cli import main; sys.exit(main(sys.argv[1:]))"
+    # Ctrl-C as a terminal's foreground process gets it: Python maps SIGINT to KeyboardInterrupt only where the
+    # parent left it at its default, and a test worker's earlier tests may leave it ignored (inherited across exec).
+    main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from dflash_jax.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", main, "generate", "def f(x):", "--model", str(tiny),
                              "--no-compare", "--ignore-eos", "--max-new-tokens", "20000"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
