@@ -110,11 +110,11 @@ def read_safetensors_header(file) -> tuple[dict, int]:
 
 
 def matrices_in(tensors, dtype) -> dict[str, np.ndarray]:
-    """``tensors`` ((key, array) pairs or a dict) with every matrix (ndim >= 2) cast to ``dtype`` (e.g. bfloat16:
-    half the bytes; the loaders cast to the dtype they are asked for), the vectors (norms, GDN decays) as they
-    are; ``dtype`` None: all as they are."""
+    """``tensors`` ((key, array) pairs or a dict) as numpy arrays, every matrix (ndim >= 2) cast to ``dtype`` (e.g.
+    bfloat16: half the bytes; the loaders cast to the dtype they are asked for), the vectors (norms, GDN decays)
+    as they are; ``dtype`` None: all as they are."""
     items = tensors.items() if isinstance(tensors, Mapping) else tensors
-    return {k: np.asarray(v).astype(jax.numpy.dtype(dtype)) if dtype is not None and np.ndim(v) >= 2 else v
+    return {k: np.asarray(v).astype(jax.numpy.dtype(dtype)) if dtype is not None and np.ndim(v) >= 2 else np.asarray(v)
             for k, v in items}
 
 

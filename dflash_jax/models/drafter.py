@@ -20,7 +20,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from dflash_jax import kernels
@@ -260,6 +259,5 @@ def save_drafter(path: str | Path, drafter: Drafter, *, matrix_dtype=None) -> No
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path / "config.json", json.dumps(drafter.cfg.to_hf(), indent=2))  # each file whole
-    tensors = checkpoint.matrices_in(((k, np.asarray(a)) for k, a, _ in checkpoint.param_tensors(drafter.params)),
-                                     matrix_dtype)
+    tensors = checkpoint.matrices_in(((k, a) for k, a, _ in checkpoint.param_tensors(drafter.params)), matrix_dtype)
     checkpoint.write_safetensors(path / "model.safetensors", tensors, metadata={"format": "pt"})
