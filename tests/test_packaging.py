@@ -81,3 +81,33 @@ def test_no_pytorch_banner_at_run_time():
     help_ = _without_torch("import sys; sys.argv = ['dflash-jax', '--help']\n"
                            "from dflash_jax.cli import main; main()")
     assert "usage" in help_.stdout and "PyTorch" not in help_.stdout + help_.stderr
+
+
+def _import_kernels_from_the_root(extra_path: list[Path]) -> subprocess.CompletedProcess:
+    """``import kernels`` in a Python started in the checkout's root, as ``python -m pytest`` runs (root first)."""
+    path = [str(ROOT), *map(str, extra_path)]
+    code = f"import sys; sys.path[:0] = {path!r}; import kernels; print(kernels.__file__)"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_checkout_root_does_not_shadow_a_kernels_distribution(tmp_path):
+    """transformers imports Hugging Face's ``kernels``; the repository's top-level ``kernels/`` (installed as
+    ``dflash_jax.kernels``) must hand that name to the installed package, or every transformers oracle fails
+    when the tests run from the root."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("from kernels.part import MARK\n")
+    (other / "part.py").write_text("MARK = 'theirs'\n")
+    run = _import_kernels_from_the_root([tmp_path / "site"])
+    assert run.returncode == 0, run.stderr
+    assert Path(run.stdout.strip()) == other / "__init__.py"
+
+
+def test_checkout_root_kernels_is_not_importable_by_its_folder_name(tmp_path):
+    """Without such a distribution, ``import kernels`` from the root fails as if the folder were not there
+    (importing through ``sys.path`` entries other than the root, so an installed one is hidden here)."""
+    code = ("import sys, os; root = os.getcwd(); sys.path[:] = [root] + [p for p in sys.path "
+            "if p and 'site-packages' not in p and os.path.abspath(p) != root]\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)\n")
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "missing kernels", run.stdout + run.stderr
