@@ -10,8 +10,9 @@ batch; transformers' would need left padding, which Gated DeltaNet's recurrent s
 so a batch's time is the sum of its rows'. The split into prefill and decode: the moment the first new
 token exists (transformers' streamer is handed it; z-lab's own ``return_stats`` clock, made to read
 ``clock`` instead of synchronizing CUDA). Texts are compared with plain decoding's by ``bench``; a peer
-that differs is reported there (z-lab crops the target's cache after a rejection, which rolls back
-attention K/V but not Gated DeltaNet's state, so its greedy output may differ).
+that differs is reported there (z-lab crops the target's cache after a rejection; under transformers < 5.25
+that rolls back attention K/V but not Gated DeltaNet's state, so its greedy output may differ there; from
+5.25 the states of the last ``block`` tokens are kept and the rollback is exact, see ``_cache_maker``).
 """
 
 from __future__ import annotations
@@ -144,14 +145,37 @@ def _hf_row(models: Models, prompt: list[int], *, max_new_tokens, stop_ids, samp
     return tokens, len(tokens) - 1, marks[1] - start, end - marks[1]
 
 
+def _cache_maker(block: int):
+    """z-lab's ``_make_cache`` with the depth of rollback made explicit.
+
+    z-lab calls ``DynamicCache.activate_past_recording()`` with no argument. Since transformers 5.25 a Gated
+    DeltaNet layer that records its past keeps the recurrent states of its last ``recurrent_states_to_keep``
+    tokens so ``crop`` can roll them back, and the default (None) fails in Qwen3.5's forward with
+    ``min(int, None)``, at the prefill (so at every block). A verify step of ``block`` tokens is cropped by at
+    most ``block - 1``; ``crop(-r)`` reads the state ``r`` tokens back from a history that starts with the state
+    before the step, so keeping ``block`` states rolls back every rejection exactly. Older transformers (no such
+    argument) get z-lab's own call."""
+    from transformers import DynamicCache
+
+    def make_cache(config):
+        cache = DynamicCache(config=config)
+        if hasattr(cache, "get_recurrent_states_to_keep"):  # transformers >= 5.25
+            cache.activate_past_recording(recurrent_states_to_keep=block)
+        else:
+            cache.activate_past_recording()
+        return cache
+    return make_cache
+
+
 def _zlab_row(models: Models, prompt: list[int], *, block, max_new_tokens, stop_ids, sampling, clock):
     """(tokens, steps, prefill s, decode s) of z-lab's dflash_generate on one row."""
     from dflash import model as zlab
 
     torch = models.torch
     start = clock()
-    # return_stats reads a clock that synchronizes CUDA; on the CPU it reads ``clock``
-    with mock.patch.object(zlab, "_cuda_time", clock):
+    # return_stats reads a clock that synchronizes CUDA; on the CPU it reads ``clock``. The caches are made
+    # with the rollback depth transformers >= 5.25 needs (see _cache_maker)
+    with mock.patch.object(zlab, "_cuda_time", clock), mock.patch.object(zlab, "_make_cache", _cache_maker(block)):
         stats = zlab.dflash_generate(models.drafter, models.target, torch.tensor([prompt]), max_new_tokens,
                                      list(stop_ids) or None, temperature=sampling.temperature, top_p=sampling.top_p,
                                      top_k=sampling.top_k, block_size=block, return_stats=True)

@@ -64,6 +64,26 @@ def test_each_peer_runs_the_checkpoint_and_its_text_is_compared_with_plain_decod
     assert same == [a == b for a, b in zip(outs[zlab].token_lists(), ar, strict=True)]
 
 
+def test_zlab_peer_runs_under_this_transformers_and_its_rollback_is_exact(pair):
+    """transformers >= 5.25 fails in Qwen3.5's forward (min(int, None)) unless the cache is told how many
+    Gated DeltaNet states to keep; given them, z-lab's crop rolls the recurrent state back exactly, so its
+    greedy text is plain decoding's (a random drafter: most drafts are rejected, so most steps roll back)."""
+    _zlab()
+    import transformers
+
+    target_dir, draft_dir, target = pair
+    zlab = peers.Peer("zlab", 4)
+    models = peers.Models(target_dir, draft_dir, [zlab])
+    assert any(t == "linear_attention" for t in models.target.config.layer_types)  # the layers the rollback concerns
+    ar = generate(target, PROMPTS, max_new_tokens=8, stop_ids=()).token_lists()
+    run = peers.runner(zlab, models, [PROMPTS], max_new_tokens=8, stop_ids=(), sampling=SamplingConfig())
+    out, _, _ = run(0, _clock())
+    assert [len(t) for t in out.token_lists()] == [8, 8]
+    assert sum(out.steps) > 2 * 2  # rejections happened: 7 tokens after the first need 2 steps of 4 at best
+    if hasattr(transformers.DynamicCache, "get_recurrent_states_to_keep"):
+        assert out.token_lists() == ar
+
+
 def test_peer_names_and_errors():
     assert peers.parse_peer("hf:ar") == peers.Peer("hf", 1) and peers.Peer("hf", 1).name == "hf:ar"
     assert peers.parse_peer(" zlab:16") == peers.Peer("zlab", 16) and peers.Peer("zlab", 16).name == "zlab:16"
