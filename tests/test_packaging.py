@@ -18,7 +18,7 @@ DOCS = ["README.md", "BUILD.md", "docs/kernels.md", "docs/performance.md", "note
 
 
 def test_license_file_is_the_license_pyproject_names():
-    assert PYPROJECT["project"]["license"] == {"text": "Apache-2.0"}
+    assert PYPROJECT["project"]["license"] == "Apache-2.0" and PYPROJECT["project"]["license-files"] == ["LICENSE"]
     text = (ROOT / "LICENSE").read_text()
     assert "Apache License\n                           Version 2.0, January 2004" in text
     assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) > 150  # the full text
