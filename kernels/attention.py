@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -62,7 +63,7 @@ def write_cache(k_cache, v_cache, k, v, start):
             put(v_cache, v.transpose(0, 2, 3, 1).astype(v_cache.dtype), start, 2))  # [B, K, H, T] at S
 
 
-def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None):
+def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, tree=None):
     """Plain-jnp attention; the oracle for the kernel.
 
     Args:
@@ -73,6 +74,9 @@ def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, s
       causal: mask keys after each query's position.
       window: if set, also mask keys at positions <= query position - window.
       scale: softmax scale, default H ** -0.5.
+      tree: a draft tree's mask [B, T, T] bool in place of the causal one (row t: the new tokens that are
+        t's ancestors or t itself, their K/V in rows q_start + j): query t sees the keys before q_start and
+        those of its own path. The causal mask is the tree whose rows are the lower triangle.
     Returns:
       [B, T, N, H] in q's dtype.
     """
@@ -84,7 +88,13 @@ def attention_reference(q, k, v, q_start, kv_len, *, causal=True, window=None, s
     kpos = jnp.arange(S)[None, None, :]  # [1, 1, S]
     qpos = (q_start[:, None] + jnp.arange(T)[None, :])[:, :, None]  # [B, T, 1]
     mask = kpos < kv_len[:, None, None]
-    if causal:
+    if tree is not None:
+        if window is not None or not causal:
+            raise ValueError("attention: a tree mask replaces the causal mask (causal=True, no window)")
+        new = kpos - q_start[:, None, None]  # [B, 1, S]: the new token a key belongs to, if 0 <= new < T
+        path = jnp.take_along_axis(tree, jnp.clip(new, 0, T - 1).repeat(T, 1), axis=2)  # [B, T, S]
+        mask = mask & ((new < 0) | ((new < T) & path))
+    elif causal:
         mask = mask & (kpos <= qpos)
     if window is not None:
         mask = mask & (kpos > qpos - window)
@@ -387,9 +397,22 @@ def _reference_chunks(q, k, v, q_start, kv_len, *, causal, window, scale):
     return lax.cond(jnp.all(q_start == 0), seen_keys, every_key, q, k, v, q_start, kv_len)
 
 
-def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, impl=None):
-    """Dispatching entry point; same contract as ``attention_reference``."""
+@functools.cache
+def _tree_fallback() -> None:
+    """Says once per process why a draft tree's attention leaves the Pallas kernel."""
+    logging.getLogger(__name__).warning("attention: the Pallas kernel masks causally; draft trees run the XLA "
+                                        "attention with the tree mask instead")
+
+
+def attention(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, impl=None, tree=None):
+    """Dispatching entry point; same contract as ``attention_reference``. A ``tree`` mask runs the XLA path in
+    every mode (the kernel masks causally; said once in the log), over the keys in view as a verify does."""
     mode = dispatch.resolve(impl)
+    if tree is not None:
+        if mode != "reference":
+            _tree_fallback()
+        ref = functools.partial(attention_reference, causal=causal, window=window, scale=scale, tree=tree)
+        return _seen_prefix(ref, q, k, v, q_start, kv_len, causal=causal)
     if mode == "reference":
         return _reference_chunks(q, k, v, q_start, kv_len, causal=causal, window=window, scale=scale)
     run = functools.partial(attention_pallas, causal=causal, window=window, scale=scale,

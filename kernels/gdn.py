@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -163,24 +164,35 @@ def _unit_lower_inverse_xla(a):
     return inv[..., :C, :C]
 
 
-def _verify_block(q, k, v, g, beta, state):
+def _verify_block(q, k, v, g, beta, state, tree=None):
     """``gdn_verify``'s XLA path: the T tokens as one chunk of the WY form, outputs and writes only.
 
     With G the cumulative log-decay and Gamma_ij = e^(G_i - G_j) (j <= i), the writes solve
     (I + A) u = beta (v - e^G K S_0), A = strictly-lower(beta K K^T * Gamma), and o = e^G Q S_0 +
     (Q K^T * Gamma) u: four batched matmuls (the queries and keys stacked against K and against S_0),
     the inverse, two more. No state is formed (the commit's replay does that from u).
+
+    A tree (``tree`` [B, T, T] bool, row i the ancestors of token i and i itself; parents precede
+    children) is the same system with the ancestor mask where the chain has the lower triangle and
+    path-cumulative log-decays G_i = sum of g over the root -> i path where it has prefix sums: token i
+    gets exactly the output and write of the recurrence run along its own path (frontier.md section 2).
+    The chain is the tree whose mask is the lower triangle.
     """
     T, Hv = g.shape[1], v.shape[2]
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 2)  # noqa: E731  [B, T, H, ...] -> [B, H, T, ...]
     qk = f32(jnp.concatenate([_expand_heads(q, Hv), _expand_heads(k, Hv)], axis=1))  # [B, Hv, 2T, Dk]
     v, g, beta = f32(v), f32(g)[..., None], f32(beta)[..., None]  # [B, Hv, T, Dv], [B, Hv, T, 1] x2
-    G = jnp.cumsum(g, axis=2)
     i = jnp.arange(T)
-    decay = jnp.exp(jnp.where(i[:, None] >= i[None, :], G - jnp.swapaxes(G, 2, 3), -jnp.inf))  # [B, Hv, T, T]
+    if tree is None:
+        on_path, G = i[:, None] >= i[None, :], jnp.cumsum(g, axis=2)  # [T, T]; [B, Hv, T, 1]
+    else:
+        on_path = tree[:, None]  # [B, 1, T, T]
+        G = jnp.einsum("bij,bhjx->bhix", on_path[:, 0].astype(jnp.float32), g, precision=HIGHEST)
+    strict = on_path & (i[:, None] != i[None, :])  # ancestors only (strictly lower: parents first)
+    decay = jnp.exp(jnp.where(on_path, G - jnp.swapaxes(G, 2, 3), -jnp.inf))  # [B, Hv, T, T]
     dots = jnp.einsum("bhid,bhjd->bhij", qk, qk[:, :, T:], precision=HIGHEST)  # [B, Hv, 2T, T]: Q K^T; K K^T
     read = jnp.einsum("bhid,bhdv->bhiv", qk, state.astype(jnp.float32), precision=HIGHEST)  # [B, Hv, 2T, Dv]
-    a = jnp.where(i[:, None] > i[None, :], beta * dots[:, :, T:] * decay, 0.0)
+    a = jnp.where(strict, beta * dots[:, :, T:] * decay, 0.0)
     rhs = beta * (v - jnp.exp(G) * read[:, :, T:])
     u = jnp.einsum("bhij,bhjv->bhiv", _unit_lower_inverse_xla(a), rhs, precision=HIGHEST)
     o = jnp.exp(G) * read[:, :, :T] + jnp.einsum("bhij,bhjv->bhiv", dots[:, :, :T] * decay, u, precision=HIGHEST)
@@ -503,15 +515,27 @@ def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
     return run(q, k, v, g, beta, state)
 
 
-def gdn_verify(q, k, v, g, beta, state, *, impl=None):
+@functools.cache
+def _tree_fallback() -> None:
+    """Says once per process why a draft tree's verify leaves the Pallas kernel."""
+    logging.getLogger(__name__).warning("gdn_verify: the Pallas kernel walks a chain of tokens; draft trees run "
+                                        "the XLA closed form (_verify_block) instead")
+
+
+def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None):
     """Verify outputs and writes without a state write; same contract as ``gdn_verify_reference``.
 
     The XLA path runs the T tokens as one chunk of the WY form (``_verify_block``: a few batched matmuls)
     instead of the token scan, whose 16 trips cost more dispatch than their FLOPs in the fused CPU loop.
+    ``tree`` [B, T, T] bool (each token's ancestors and itself; parents before children): every token
+    along its own root -> token path, a draft tree's verify. The Pallas kernel walks a chain only, so a
+    tree runs the XLA path in every mode (said once in the log).
     """
     mode = dispatch.resolve(impl)
-    if mode == "reference":
-        return _verify_block(q, k, v, g, beta, state)
+    if tree is not None and mode != "reference":
+        _tree_fallback()
+    if mode == "reference" or tree is not None:
+        return _verify_block(q, k, v, g, beta, state, tree)
     run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
     return run(q, k, v, g, beta, state)
 

@@ -32,8 +32,10 @@ from flax import nnx
 
 from dflash_jax import parallel
 from dflash_jax.config import TargetConfig
+from dflash_jax.decoding import tree as draft_tree
 from dflash_jax.decoding.proposers import NoProposer, Proposer, TargetView
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig, accept, choose
+from dflash_jax.decoding.tree import DraftTree
 from dflash_jax.models.cache import TargetCache, init_cache
 from dflash_jax.models.target import Target, TargetOutput, commit, prefill, verify
 
@@ -55,7 +57,9 @@ class SpecConfig:
     max_new_tokens: most tokens emitted per row (never exceeded).
     stop_ids: tokens that end a row (emitted, then the row stops), any ints (kept as a tuple);
       default: the target's EOS ids.
-    capacity: target cache length; None sizes it to prompt bucket + max_new_tokens + block_size.
+    capacity: target cache length; None sizes it to prompt bucket + max_new_tokens + the verify width.
+    tree_budget: None (a chain of block_size - 1 drafts) or N: a draft tree (DDTree, ``decoding.tree``) of the
+      N best prefixes of depth <= block_size - 1, verified in one pass of N + 1 tokens.
     """
 
     block_size: int = 16
@@ -63,12 +67,16 @@ class SpecConfig:
     sampling: SamplingConfig = SamplingConfig()
     stop_ids: tuple[int, ...] | None = None
     capacity: int | None = None
+    tree_budget: int | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "max_new_tokens"):
+        for name in ("block_size", "max_new_tokens") + (() if self.tree_budget is None else ("tree_budget",)):
             value = getattr(self, name)
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.tree_budget is not None and self.block_size < 2:
+            raise ValueError(f"tree_budget {self.tree_budget} needs block_size >= 2 (the tree's depth is "
+                             f"block_size - 1), got block_size {self.block_size}")
         if self.stop_ids is not None:  # any iterable of integers (numpy's too) -> a hashable tuple of ints
             stop = (self.stop_ids,) if isinstance(self.stop_ids, numbers.Integral) else self.stop_ids
             try:
@@ -79,6 +87,11 @@ class SpecConfig:
             if bad:
                 raise ValueError(f"stop_ids must be token ids (integers >= 0), got {bad[0]!r} in {self.stop_ids!r}")
             object.__setattr__(self, "stop_ids", tuple(int(t) for t in stop))
+
+    @property
+    def width(self) -> int:
+        """Tokens per target verify: the block, or a tree's N + 1 nodes."""
+        return self.block_size if self.tree_budget is None else self.tree_budget + 1
 
 
 @jax.tree_util.register_dataclass
@@ -100,12 +113,13 @@ class LoopState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Draft:
-    """The draft phase's result: k drafts per row after the anchor."""
+    """The draft phase's result: k drafts per row after the anchor (a chain), or a tree's N nodes."""
 
-    tokens: jax.Array  # [B, k] int32
-    q: jax.Array | None  # [B, k, V] their distribution, None when they are the drafter's argmax
+    tokens: jax.Array  # [B, k] int32 (a tree: [B, N], its nodes 1..N)
+    q: jax.Array | None  # [B, k, V] their distribution, None when they are the drafter's argmax (and for trees)
     proposer: object  # the proposer's state after proposing
     accept_keys: jax.Array  # [B] PRNG keys of this step's acceptance
+    tree: DraftTree | None = None  # the draft tree (spec.tree_budget), its root the anchor
 
 
 @jax.tree_util.register_dataclass
@@ -219,6 +233,9 @@ class SpeculativeLoop:
             raise ValueError(f"block_size {block} needs a drafter (no proposer was given)")
         if block > self.proposer.max_block:
             raise ValueError(f"block_size {block} exceeds the proposer's block size {self.proposer.max_block}")
+        if self.spec.tree_budget is not None and not hasattr(self.proposer, "block_logprobs"):
+            raise ValueError(f"tree_budget {self.spec.tree_budget}: draft trees need a drafter that gives "
+                             f"per-position distributions (a DFlash drafter), not {type(self.proposer).__name__}")
         outside = [t for t in self.spec.stop_ids or () if t >= self.cfg.vocab_size]
         if outside:
             raise ValueError(f"stop_ids: token id {outside[0]} is outside the target's vocabulary "
@@ -246,12 +263,13 @@ class SpeculativeLoop:
 
     def capacity(self, batch: int, bucket: int, dtype) -> int:
         """The target cache length for a [batch, bucket] prompt batch; a clear error if it cannot be held."""
-        max_new, block = self.spec.max_new_tokens, self.spec.block_size
-        need = bucket + max_new + block
+        max_new, width = self.spec.max_new_tokens, max(self.spec.block_size, self.spec.width)
+        need = bucket + max_new + width
         capacity = need if self.spec.capacity is None else self.spec.capacity
         if capacity < need:
+            what = "block_size" if self.spec.tree_budget is None else "tree_budget + 1"
             raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "
-                             f"max_new_tokens {max_new} + block_size {block} = {need}")
+                             f"max_new_tokens {max_new} + {what} {width} = {need}")
         if capacity >= 2**31 - 1:  # positions are int32: refused for any device, before prefill is traced
             self._check_held(batch, capacity, jax.eval_shape(lambda: init_cache(self.cfg, batch, capacity, dtype)))
         return capacity
@@ -350,6 +368,13 @@ class SpeculativeLoop:
         tparams, pparams = params
         # Each row's keys follow its own step count: its stream does not depend on when it joined a batch.
         keys = jax.vmap(lambda key, t: jax.random.split(jax.random.fold_in(key, t)))(state.keys, state.steps)
+        if self.spec.tree_budget is not None:
+            logprobs, pstate = self.proposer.block_logprobs(
+                params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
+                k=self.spec.block_size - 1)
+            tree = draft_tree.build(state.anchor, logprobs, self.spec.tree_budget)
+            return Draft(tokens=tree.tokens[:, 1:], q=None, proposer=self._pin(pstate, tree.tokens.shape[0]),
+                         accept_keys=keys[:, 1], tree=tree)
         tokens, q, pstate = self.proposer.propose(
             params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
             k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
@@ -358,8 +383,9 @@ class SpeculativeLoop:
     @_phase()
     def check(self, params, state: LoopState, draft: Draft) -> Verified:
         """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
-        block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1]
-        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps)
+        block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1] (a tree: [B, N+1])
+        parents = None if draft.tree is None else draft.tree.parents
+        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps, parents=parents)
         return Verified(out=out, cache=self._pin(cache, block.shape[0]))
 
     @_phase()
@@ -369,11 +395,20 @@ class SpeculativeLoop:
         k, max_new = self.spec.block_size - 1, self.spec.max_new_tokens
         s, logits = state, verified.out.logits
         rules = self._rules(state)
-        a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, rules)
+        path, out = None, verified.out
+        if draft.tree is None:
+            a, bonus = accept(draft.tokens, draft.q, logits, draft.accept_keys, rules)
+            drafts = draft.tokens
+        else:  # the walk's path [B, k+1] as the chain it accepted: its drafts, its nodes' logits and taps
+            chosen = draft_tree.choices(logits, draft.accept_keys, rules)
+            path, a, bonus = draft_tree.walk(draft.tree, chosen, k)
+            along = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731
+            drafts, logits = along(draft.tree.tokens)[:, 1:], along(logits)
+            out = dataclasses.replace(out, logits=logits, taps=along(out.taps), hidden=along(out.hidden))
         # Emitted this step: d_1 .. d_a, then the bonus at index a; token j is decided by the logits at j.
         # Cut after a stop id, at max_new_tokens, and before the first non-finite logits the rules read.
         j = jnp.arange(k + 1)[None, :]
-        emitted = jnp.where(j < a[:, None], jnp.pad(draft.tokens, ((0, 0), (0, 1))), bonus[:, None])  # [B, k+1]
+        emitted = jnp.where(j < a[:, None], jnp.pad(drafts, ((0, 0), (0, 1))), bonus[:, None])  # [B, k+1]
         bad = ~self._finite(logits, emitted, rules) & (j <= a[:, None])  # [B, k+1]; the rules chose emitted[:, :a+1]
         first_bad = jnp.where(bad.any(1), jnp.argmax(bad, axis=1), k + 1)
         active = s.finish == FinishReason.RUNNING
@@ -388,9 +423,9 @@ class SpeculativeLoop:
         finish = jnp.where(active, finish, s.finish)
         n = jnp.where(active, a + 1, 0)  # a row that finished here commits too; nothing reads it again
         pstate = self.proposer.commit(params=pparams, view=TargetView.of(tparams), state=draft.proposer,
-                                      verified=verified.out, n=n)
+                                      verified=out, n=n)
         return self._pin(LoopState(
-            cache=commit(verified.cache, n), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
+            cache=commit(verified.cache, n, path), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
             accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None])), rows=s.rows))

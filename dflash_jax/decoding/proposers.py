@@ -8,7 +8,8 @@ embedding and the LM head, nothing else; ``taps`` names the target layers whose 
 (the target returns them from prefill and verify, in ``TargetOutput.taps``).
 
 - ``NoProposer``: no drafts; the loop becomes plain autoregressive decoding (the baseline).
-- ``DFlashProposer``: the block-diffusion drafter, one pass per block, fed by KV injection.
+- ``DFlashProposer``: the block-diffusion drafter, one pass per block, fed by KV injection; a DFlash2
+  drafter's candidate selector then walks the block to choose the drafts.
 - ``OracleProposer``: replays a known continuation with an error at a chosen offset per step, so
   that every acceptance count occurs (tests, and benchmarks that isolate loop cost from drafter quality).
 - ``MTPProposer`` (in ``mtp.py``): Qwen3.5's own multi-token-prediction head.
@@ -25,6 +26,7 @@ from flax import nnx
 
 from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding.sampling import SamplingConfig, draft_tokens
+from dflash_jax.models import dflash2
 from dflash_jax.models import drafter as dr
 from dflash_jax.models.target import TargetOutput, lm_logits
 
@@ -98,7 +100,13 @@ class NoProposer:
 
 @dataclasses.dataclass(frozen=True)
 class DFlashProposer:
-    """The DFlash drafter; its params are the drafter's, its embedding and LM head are the target's."""
+    """The DFlash drafter; its params are the drafter's, its embedding and LM head are the target's.
+
+    A DFlash2 drafter (``cfg.dflash2``) chooses its drafts with the candidate selector's walk: greedy
+    (temperature 0, or ``draft_mode="greedy"``) its argmax path, q one-hot (None); sampled drafts a
+    sample of softmax(score / T) over the candidates at each position, q those probabilities scattered
+    onto the vocabulary [B, k, V] for the acceptance rule.
+    """
 
     cfg: DrafterConfig
     graphdef: nnx.GraphDef
@@ -121,12 +129,28 @@ class DFlashProposer:
         block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
                                                            jnp.int32)], axis=1)  # [B, k+1]
         hidden, cache = dr.draft_block(model, state, view.embed(block))
-        drafts, q = draft_tokens(dr.draft_logits(self.cfg, view.logits(hidden[:, 1:])), keys, sampling)
-        return drafts, q, cache
+        logits = dr.draft_logits(self.cfg, view.logits(hidden[:, 1:]))  # [B, k, V]
+        if not self.cfg.dflash2:
+            drafts, q = draft_tokens(logits, keys, sampling)
+            return drafts, q, cache
+        greedy = sampling.greedy or sampling.draft_mode == "greedy"
+        drafts, cand, q = model.candidate_selector.walk(hidden[:, 1:], logits, anchor, None if greedy else keys,
+                                                        sampling.temperature)
+        return drafts, None if q is None else dflash2.scatter_probs(q, cand, logits.shape[-1]), cache
 
     def commit(self, *, params, view, state, verified: TargetOutput, n):
         model = nnx.merge(self.graphdef, params)
         return dr.advance(dr.write_context(model, state, verified.taps), n)
+
+    def block_logprobs(self, *, params, view: TargetView, state, anchor, k):
+        """The drafter's log-probabilities at the k positions after the anchor, from one block pass: ([B, k, V]
+        f32, the state after proposing), what a draft tree is grown from (``decoding.tree.build``)."""
+        model = nnx.merge(self.graphdef, params)
+        block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
+                                                           jnp.int32)], axis=1)  # [B, k+1]
+        hidden, cache = dr.draft_block(model, state, view.embed(block))
+        logits = dr.draft_logits(self.cfg, view.logits(hidden[:, 1:]))  # [B, k, V]
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
 
 
 @jax.tree_util.register_dataclass

@@ -49,6 +49,18 @@ class GDNCache:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Tree:
+    """The token tree a verify runs (``target.tree_of`` builds it from parent indices): T tokens per row,
+    token 0 the root, parents before children. The chain is the tree whose parents are i - 1."""
+
+    depths: jax.Array  # [B, T] int32: 0 at the root; a token's RoPE position is the row's length + its depth
+    mask: jax.Array  # [B, T, T] bool: row t marks t's ancestors and t itself
+    up: jax.Array  # [B, T, A] int32: t's m-th ancestor (m = 0 .. A-1; 0 is t), or -(m - depth) past the
+    #   root: the conv window's input that many places before the root
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class TargetCache:
     lengths: jax.Array  # [B] int32 tokens processed (committed) per row
     layers: tuple[AttentionCache | GDNCache, ...]

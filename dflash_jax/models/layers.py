@@ -29,7 +29,9 @@ from dflash_jax import kernels, parallel
 from dflash_jax.config import TargetConfig
 from dflash_jax.io import checkpoint
 from dflash_jax.kernels import mxfp4
-from dflash_jax.models.cache import GDNCache, GDNPending
+from dflash_jax.kernels.attention_tpu import attention_tpu
+from dflash_jax.kernels.moe import grouped_matmul_tpu
+from dflash_jax.models.cache import GDNCache, GDNPending, Tree
 from dflash_jax.models.rope import rotate
 
 # ---------------------------------------------------------------------------------------------
@@ -47,14 +49,31 @@ def _per_device(fn, mode: str, args: tuple, labels: tuple, out_labels, heads: tu
     return parallel.per_head(fn, args, labels, out_labels, heads=heads, shared=shared)
 
 
+# Queries per row up to which the TPU attention kernel runs (decode, verify, the drafter's block); a prompt's
+# attention runs the XLA form (the kernel holds its queries' scores per key block in VMEM).
+_TPU_QUERIES = 64
+
+
 def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, window: int | None = None):
-    """``kernels.attention`` of q [B, T, N, H] over the caches' keys [start, end) per row -> [B, T, N, H]."""
-    fn = lambda *a: kernels.attention(*a, causal=causal, window=window, impl=mode)  # noqa: E731
+    """``kernels.attention`` of q [B, T, N, H] over the caches' keys [start, end) per row -> [B, T, N, H]; in a
+    TPU mode the Mosaic kernel (``kernels/attention_tpu.py``) for T <= ``_TPU_QUERIES``."""
+    if kernels.dispatch.is_tpu(mode):
+        if q.shape[1] > _TPU_QUERIES:
+            with kernels.dispatch.generic():
+                return kernels.attention(q, k_cache, v_cache, start, end, causal=causal, window=window,
+                                         impl="reference")
+        fn = lambda *a: attention_tpu(*a, causal=causal, window=window,  # noqa: E731
+                                      interpret=mode == "tpu-interpret")
+    else:
+        fn = lambda *a: kernels.attention(*a, causal=causal, window=window, impl=mode)  # noqa: E731
     return _per_device(fn, mode, (q, k_cache, v_cache, start, end), (_HEADS, _KV, _KV, ("B",), ("B",)), _HEADS,
                        heads=("heads", q.shape[2]), shared=("kv_heads", k_cache.shape[1]))
 
 
 def _gdn(fn, mode: str, args: tuple, labels: tuple, out_labels, k, v):
+    if kernels.dispatch.is_tpu(mode):  # no TPU form yet: the XLA reference, partitioned like any op
+        with kernels.dispatch.generic():
+            return fn(*args)
     return _per_device(fn, mode, args, labels, out_labels, heads=("v_heads", v.shape[2]),
                        shared=("k_heads", k.shape[2]))
 
@@ -184,7 +203,10 @@ class Experts(nnx.Module):
         if isinstance(w, MXFP4Weight):
             if w.input_scale_mode is not None:
                 x = mxfp4.qdq_mxfp4(x, w.input_scale_mode)
-            return mxfp4.mxfp4_grouped_matmul(x, w.codes, w.scale, group_sizes, impl=impl)
+            with kernels.dispatch.generic():  # no TPU form: the XLA reference in a TPU mode
+                return mxfp4.mxfp4_grouped_matmul(x, w.codes, w.scale, group_sizes, impl=impl)
+        if kernels.dispatch.is_tpu(impl):  # the Mosaic kernel: reads only the experts with rows
+            return grouped_matmul_tpu(x, w, group_sizes, interpret=impl == "tpu-interpret")
         return kernels.grouped_matmul(x, w, group_sizes, impl=impl)
 
 
@@ -245,12 +267,14 @@ class GatedAttention(nnx.Module):
         self.q_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
         self.k_norm = RMSNorm(H, cfg.rms_norm_eps, zero_centred=True, dtype=dtype)
 
-    def __call__(self, x, k_cache, v_cache, start, rot):
+    def __call__(self, x, k_cache, v_cache, start, rot, tree=None):
         """Attends T new tokens at positions start[b] + t over the cache, writing their K/V first.
 
         Args:
           x: [B, T, D]; k_cache [B, K, S, H], v_cache [B, K, H, S] (``kernels.cache_shapes``); start: [B]
             int32 (tokens already cached); rot: [B, T, 2, R/2] the positions' cos/sin (``rope.rows``).
+          tree: [B, T, T] bool, a draft tree's ancestor mask (``cache.Tree.mask``) in place of the causal
+            one: token t sees the cache and its own ancestors (its rot then holds start + depth).
         Returns:
           ([B, T, D], k_cache, v_cache) with rows [start, start + T) written.
         """
@@ -263,7 +287,10 @@ class GatedAttention(nnx.Module):
         k = rotate(self.k_norm(self.k_proj(x).reshape(B, T, K, H)), rot)
         v = self.v_proj(x).reshape(B, T, K, H)
         k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
-        o = attention(q, k_cache, v_cache, start, start + T, causal=True, mode=self.kernels)
+        if tree is None:
+            o = attention(q, k_cache, v_cache, start, start + T, causal=True, mode=self.kernels)
+        else:  # the XLA path in every mode (the kernel masks causally), partitioned like any op on a mesh
+            o = kernels.attention(q, k_cache, v_cache, start, start + T, impl=self.kernels, tree=tree)
         o = o.reshape(B, T, N * H) * jax.nn.sigmoid(gate)
         return self.o_proj(o), k_cache, v_cache
 
@@ -349,8 +376,11 @@ class GatedDeltaNet(nnx.Module):
         self.out_proj = Linear(cfg.linear_value_dim, D, dtype=dtype, kernels=kernels, rngs=rngs,
                                axes=(None, "v_heads"))
 
-    def _prepare(self, x, conv_window, *, speculative: bool):
+    def _prepare(self, x, conv_window, *, speculative: bool, up=None):
         """Projections, conv and gates for T tokens following ``conv_window`` ([B, K-1, C] raw inputs).
+
+        ``up`` (a draft tree's ``cache.Tree.up`` [B, T, >= K]): each token's conv reads its own ancestors'
+        inputs (then the window's, past the root), not its slot neighbours'; None: the chain.
 
         ``speculative`` (verify's T <= block tokens) on the XLA path (kernels "reference") computes the
         causal conv as a contraction over the taps, which XLA materializes, instead of a sum of shifted
@@ -374,11 +404,13 @@ class GatedDeltaNet(nnx.Module):
         full = jnp.concatenate([conv_window.astype(mixed.dtype), mixed], axis=1)  # [B, K-1+T, C]
         w = self.conv1d.weight[...][:, 0, :]  # [C, K]; tap K-1 multiplies the current token
         taps = w.shape[1]
-        windows = [full[:, j:j + T, :] for j in range(taps)]
-        if speculative and self.kernels == "reference":  # a contraction, which XLA materializes (docstring)
-            y = jnp.einsum("btjc,cj->btc", jnp.stack(windows, 2), w)
+        if up is not None:  # tap j reads the (K-1-j)-th ancestor: full's row K-1 + up (up < 0: the window)
+            at = (taps - 1) + up[:, :, taps - 1::-1]  # [B, T, K]
+            y = jnp.einsum("btjc,cj->btc", jax.vmap(lambda f, i: f[i])(full, at), w)
+        elif speculative and self.kernels == "reference":  # a contraction, which XLA materializes (docstring)
+            y = jnp.einsum("btjc,cj->btc", jnp.stack([full[:, j:j + T, :] for j in range(taps)], 2), w)
         else:
-            y = sum(window * w[:, j] for j, window in enumerate(windows))
+            y = sum(full[:, j:j + T, :] * w[:, j] for j in range(taps))
         y = jax.nn.silu(y).reshape(B, T, Hk, -1)  # [B, T, Hk, 2*Dk + r*Dv]: one group per key head
         q = y[..., :Dk].astype(jnp.float32)
         k = y[..., Dk:2 * Dk].astype(jnp.float32)
@@ -416,15 +448,23 @@ class GatedDeltaNet(nnx.Module):
                         (_V, _STATE), k, v)
         return self._output(o, z, x.dtype), GDNCache(conv=slide_window(window, mixed, lengths), state=state)
 
-    def verify(self, x, cache: GDNCache) -> tuple[jax.Array, GDNCache]:
+    def verify(self, x, cache: GDNCache, tree: Tree | None = None) -> tuple[jax.Array, GDNCache]:
         """T speculative tokens [B, T, D]: reads the cache, writes nothing.
 
+        ``tree``: the tokens form a draft tree (``cache.Tree``), not a chain: each token's conv reads its
+        ancestors and its delta rule runs along its own root -> token path (``kernels.gdn_verify``'s
+        tree form, the XLA path in every kernel mode); the pending inputs are per token as for a chain,
+        and the commit replays the accepted path's (``target.commit``).
         Returns ([B, T, D], the same conv window and state with the update inputs pending).
         """
-        q, k, v, g, beta, z, mixed = self._prepare(x, cache.conv, speculative=True)
-        run = lambda *a: kernels.gdn_verify(*a, impl=self.kernels)  # noqa: E731
-        o, u = _gdn(run, self.kernels, (q, k, v, g, beta, cache.state), (_QK, _QK, _V, _GATE, _GATE, _STATE),
-                    (_V, _V), k, v)
+        up = None if tree is None else tree.up
+        q, k, v, g, beta, z, mixed = self._prepare(x, cache.conv, speculative=True, up=up)
+        if tree is None:
+            run = lambda *a: kernels.gdn_verify(*a, impl=self.kernels)  # noqa: E731
+            o, u = _gdn(run, self.kernels, (q, k, v, g, beta, cache.state), (_QK, _QK, _V, _GATE, _GATE, _STATE),
+                        (_V, _V), k, v)
+        else:  # the XLA path (partitioned like any op on a mesh)
+            o, u = kernels.gdn_verify(q, k, v, g, beta, cache.state, impl=self.kernels, tree=tree.mask)
         pending = GDNPending(mixed=mixed, k=k, u=u, g=g, kernels=self.kernels)
         return self._output(o, z, x.dtype), GDNCache(conv=cache.conv, state=cache.state, pending=pending)
 

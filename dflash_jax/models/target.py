@@ -38,7 +38,16 @@ from dflash_jax.config import ConfigError, TargetConfig, read_target_config
 from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels import dispatch as kernel_modes
 from dflash_jax.models import quant, rope
-from dflash_jax.models.cache import AttentionCache, GDNCache, TargetCache, init_cache, split_pending, with_pending
+from dflash_jax.models.cache import (
+    AttentionCache,
+    GDNCache,
+    GDNPending,
+    TargetCache,
+    Tree,
+    init_cache,
+    split_pending,
+    with_pending,
+)
 from dflash_jax.models.layers import (
     MLP,
     Embedding,
@@ -70,9 +79,11 @@ class DecoderLayer(nnx.Module):
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def attend(self, x, cache: AttentionCache, start, rot):
-        """Full-attention layer over new tokens at positions start[b] + t (cos/sin ``rot``); writes their K/V."""
-        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start, rot)
+    def attend(self, x, cache: AttentionCache, start, rot, tree: Tree | None = None):
+        """Full-attention layer over new tokens at positions start[b] + t (cos/sin ``rot``); writes their K/V.
+        A ``tree``'s tokens see the cache and their own ancestors."""
+        h, k, v = self.self_attn(self.input_layernorm(x), cache.k, cache.v, start, rot,
+                                 None if tree is None else tree.mask)
         return self._mlp_residual(x, h), AttentionCache(k, v)
 
     def gdn_prefill(self, x, lengths):
@@ -80,9 +91,10 @@ class DecoderLayer(nnx.Module):
         h, cache = self.linear_attn.prefill(self.input_layernorm(x), lengths)
         return self._mlp_residual(x, h), cache
 
-    def gdn_verify(self, x, cache: GDNCache):
-        """GDN layer over speculative tokens: the cache is read, the update inputs are kept pending."""
-        h, cache = self.linear_attn.verify(self.input_layernorm(x), cache)
+    def gdn_verify(self, x, cache: GDNCache, tree: Tree | None = None):
+        """GDN layer over speculative tokens (a chain, or a ``tree``): the cache is read, the update inputs
+        are kept pending."""
+        h, cache = self.linear_attn.verify(self.input_layernorm(x), cache, tree)
         return self._mlp_residual(x, h), cache
 
 
@@ -145,20 +157,24 @@ class TargetOutput:
     hidden: jax.Array  # [B, T, D] final-normed hidden states
 
 
-def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps):
-    """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None)."""
+def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps, tree: Tree | None = None):
+    """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None; a
+    ``tree``'s tokens at positions start + depth)."""
     x = model.model.embed_tokens(tokens)
     start = cache.lengths
-    rot = rope.rows(cache.rope, start, tokens.shape[1])  # once for every attention layer, as transformers does
+    if tree is None:  # once for every attention layer, as transformers does
+        rot = rope.rows(cache.rope, start, tokens.shape[1])
+    else:
+        rot = cache.rope[start[:, None] + tree.depths]
     new_layers, tapped = [], {}
     for i, (layer, c) in enumerate(zip(model.model.layers, cache.layers, strict=True)):
         with jax.named_scope(f"layer{i}"):
             if isinstance(c, AttentionCache):
-                x, c = layer.attend(x, c, start, rot)
+                x, c = layer.attend(x, c, start, rot, tree)
             elif lengths is not None:
                 x, c = layer.gdn_prefill(x, lengths)
             else:
-                x, c = layer.gdn_verify(x, c)
+                x, c = layer.gdn_verify(x, c, tree)
         new_layers.append(c)
         if i in taps:
             tapped[i] = x
@@ -196,42 +212,98 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
-def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None):
     """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
 
     Args:
       tokens: [B, T] int32; cache: a committed TargetCache (callers keep lengths + T <= capacity).
         It is donated (its K/V rows are updated in place, not copied): do not use it afterwards;
         pass ``jax.tree.map(jnp.copy, cache)`` to keep it.
+      parents: None (the tokens are a chain) or [B, T] int32, a draft tree: token t's parent index
+        (< t; the root's, parents[:, 0], is ignored). Token t is then at position lengths[b] + its depth and
+        sees the cache and its own ancestors in every layer (``tree_of``): its logits and taps are those
+        of its root -> t path run alone as a chain. Its K/V still go to row lengths[b] + t.
     Returns:
       (TargetOutput with logits [B, T, V], the cache with K/V rows written and GDN inputs pending);
-      pass it to ``commit(cache, n)``.
+      pass it to ``commit(cache, n)`` (a chain) or ``commit(cache, n, path)`` (a tree).
     """
     model = nnx.merge(graphdef, params)
-    hidden, tap_out, layers = _run(model, tokens, cache, None, taps)
+    tree = None if parents is None else tree_of(parents, model.cfg.linear_conv_kernel_dim)
+    hidden, tap_out, layers = _run(model, tokens, cache, None, taps, tree)
     out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
     return out, dataclasses.replace(cache, layers=tuple(layers))
 
 
-def commit(cache: TargetCache, n: jax.Array) -> TargetCache:
-    """Keeps exactly the first n[b] tokens of the last verify in each row.
+def commit(cache: TargetCache, n: jax.Array, path: jax.Array | None = None) -> TargetCache:
+    """Keeps exactly the first n[b] tokens of the last verify in each row (of a tree: of ``path``).
 
     Args:
       cache: the cache returned by ``verify`` (its GDN layers carry ``pending``). Donated like
         ``verify``'s: the K/V, conv windows and states are reused in place.
-      n: [B] int32 in 0..T.
+      n: [B] int32 in 0..T (a tree: 0..P).
+      path: None (the verify ran a chain: its first n tokens are kept) or [B, P] int32, P <= T, the kept
+        root -> node path of a tree's verify as token indices (path[:, 0] = 0, each the parent of the next;
+        entries from n[b] on are ignored). Attention K/V of the path move to consecutive rows, the GDN
+        layers replay the path's pending inputs (the chain's closed-form commit on gathered inputs) and
+        their conv windows end at the path's last inputs: the cache of having processed the path alone.
     Returns:
       The cache as if only those tokens had been processed, with nothing pending.
     """
     # Only what the result reuses is donated; the pending inputs are read by the replay, then dropped.
-    return _commit(*split_pending(cache), jnp.asarray(n, jnp.int32))
+    return _commit(*split_pending(cache), jnp.asarray(n, jnp.int32), None if path is None else
+                   jnp.asarray(path, jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",))
-def _commit(cache: TargetCache, pending: tuple, n: jax.Array) -> TargetCache:
-    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c
-                   for c in with_pending(cache, pending).layers)
+def _commit(cache: TargetCache, pending: tuple, n: jax.Array, path: jax.Array | None) -> TargetCache:
+    cache = with_pending(cache, pending)
+    if path is not None:
+        cache = _gather_path(cache, path)
+    layers = tuple(GatedDeltaNet.commit(c, n) if isinstance(c, GDNCache) else c for c in cache.layers)
     return dataclasses.replace(cache, lengths=cache.lengths + n, layers=layers)
+
+
+def _gather_path(cache: TargetCache, path: jax.Array) -> TargetCache:
+    """A tree verify's cache as if it had verified the chain of tokens ``path`` [B, P]: attention K/V rows
+    lengths + path[j] copied to lengths + j, the GDN pending inputs gathered along the path."""
+    start = cache.lengths
+
+    def rows(x, axis):  # x [B, K, S, H] (axis 2) or [B, K, H, S] (axis 3): rows start + path, written at start
+        at = jnp.expand_dims(start[:, None] + path, tuple(a for a in range(1, 4) if a != axis))
+        kept = jnp.take_along_axis(x, at, axis=axis)
+        return jax.vmap(lambda c, r, s: jax.lax.dynamic_update_slice_in_dim(c, r, s, axis=axis - 1))(x, kept, start)
+
+    def pending(p: GDNPending) -> GDNPending:
+        take = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)), axis=1)  # noqa: E731
+        return dataclasses.replace(p, mixed=take(p.mixed), k=take(p.k), u=take(p.u), g=take(p.g))
+
+    layers = tuple(AttentionCache(rows(c.k, 2), rows(c.v, 3)) if isinstance(c, AttentionCache)
+                   else dataclasses.replace(c, pending=pending(c.pending)) for c in cache.layers)
+    return dataclasses.replace(cache, layers=layers)
+
+
+def tree_of(parents: jax.Array, ancestors: int) -> Tree:
+    """The ``Tree`` of parent indices [B, T] (parents[:, t] < t for t >= 1; the root's is ignored), with each
+    token's first ``ancestors`` ancestors (itself first) for the Gated DeltaNet conv (its kernel width)."""
+    B, T = parents.shape
+    parents = parents.astype(jnp.int32).at[:, 0].set(-1)
+    idx = jnp.arange(T, dtype=jnp.int32)
+
+    def hop(ptr):  # each pointer to its parent; past the root, one more input back into the conv window
+        return jnp.where(ptr >= 0, jnp.take_along_axis(parents, jnp.maximum(ptr, 0), axis=1), ptr - 1)
+
+    ptr = jnp.broadcast_to(idx, (B, T))
+    up = [ptr]
+    for _ in range(1, ancestors):
+        up.append(hop(up[-1]))
+
+    def climb(_, carry):  # every ancestor, one generation per trip (at most T - 1)
+        ptr, mask = carry
+        ptr = hop(ptr)
+        return ptr, mask | (ptr[..., None] == idx)
+
+    _, mask = jax.lax.fori_loop(0, T - 1, climb, (ptr, ptr[..., None] == idx))
+    return Tree(depths=mask.sum(-1, dtype=jnp.int32) - 1, mask=mask, up=jnp.stack(up, axis=-1))
 
 
 def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
@@ -263,12 +335,20 @@ class Target(SplitModel):
         return prefill(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32),
                        jnp.asarray(lengths, jnp.int32), capacity=capacity, taps=tuple(taps))
 
-    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = ()):
-        return verify(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), cache, taps=tuple(taps))
+    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None):
+        if parents is not None:
+            parents = jnp.asarray(parents, jnp.int32)
+            if parents.shape != jnp.shape(tokens):
+                raise ValueError(f"verify: parents {parents.shape} must match tokens {jnp.shape(tokens)}")
+            if not isinstance(parents, jax.core.Tracer) and bool(
+                    (parents[:, 1:] >= jnp.arange(1, parents.shape[1])).any() | (parents[:, 1:] < 0).any()):
+                raise ValueError("verify: parents must precede their children (0 <= parents[:, t] < t for t >= 1)")
+        return verify(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), cache, taps=tuple(taps),
+                      parents=parents)
 
     @staticmethod
-    def commit(cache: TargetCache, n) -> TargetCache:
-        return commit(cache, n)
+    def commit(cache: TargetCache, n, path=None) -> TargetCache:
+        return commit(cache, n, path)
 
 
 PARAM_DTYPES = ("float32", "bfloat16")
