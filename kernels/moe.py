@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from dflash_jax.kernels import dispatch
@@ -193,6 +194,114 @@ def grouped_matmul(x, w, group_sizes, *, impl=None):
         _check_shapes(x, w, group_sizes)
         return grouped_matmul_reference(x, w, group_sizes)
     return grouped_matmul_pallas(x, w, group_sizes, interpret=mode == "interpret")
+
+
+# ---------------------------------------------------------------------------------------------
+# TPU (Mosaic): the same contract, reading only the experts that have rows
+
+def _tpu_rows(dtype) -> int:
+    """Rows per tile: a bf16 vreg tile holds 16 rows, an f32 one 8."""
+    return 16 if jnp.dtype(dtype).itemsize == 2 else 8
+
+
+def _tpu_block_out(Dout: int, Din: int, itemsize: int, budget: int = 4 * 2**20) -> int:
+    """Output columns per weight block: the widest power-of-two divisor of Dout (>= 128 where Dout allows)
+    whose [block, Din] slab fits ``budget`` bytes (double-buffered by the pipeline: 2 x budget of VMEM)."""
+    bo = Dout
+    while bo > 128 and bo % 2 == 0 and bo * Din * itemsize > budget:
+        bo //= 2
+    return bo
+
+
+def tpu_visits(group_sizes, M: int, tm: int):
+    """The TPU kernel's schedule: [4, V] int32, per visit the expert, its row tile, and the expert's rows
+    [start, end). A visit is one (row tile, non-empty expert) pair that meet: experts in order, each over the
+    tiles its rows touch, so tiles come in non-decreasing order (an output tile is revisited only by
+    consecutive visits) and an expert whose rows straddle tiles is visited by consecutive visits too. V, a
+    static bound, is tiles + min(M, E) - 1; the surplus visits repeat the last real one with no rows, so the
+    pipeline finds its blocks already in VMEM and fetches nothing. Experts without rows get no visit."""
+    E = group_sizes.shape[0]
+    tiles = -(-M // tm)
+    V = tiles + min(M, E) - 1
+    sizes = group_sizes.astype(jnp.int32)
+    ends = jnp.minimum(jnp.cumsum(sizes), M)                                        # [E]
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])               # [E]
+    count = jnp.where(ends > starts, (jnp.maximum(ends, 1) - 1) // tm - starts // tm + 1, 0)  # tiles per expert
+    last = jnp.cumsum(count)                                                        # [E]
+    v = jnp.arange(V, dtype=jnp.int32)
+    real = v < last[-1]
+    v = jnp.minimum(v, jnp.maximum(last[-1] - 1, 0))                                # surplus: the last real visit
+    g = jnp.searchsorted(last, v, side="right").astype(jnp.int32)                  # [V] expert of each visit
+    g = jnp.minimum(g, E - 1)
+    tile = starts[g] // tm + v - (last[g] - count[g])
+    start, end = starts[g], jnp.where(real, ends[g], starts[g])                      # surplus visits: no rows
+    return jnp.stack([g, tile, start, end])
+
+
+def _tpu_kernel(visits_ref, x_ref, w_ref, o_ref, *, tm: int):
+    # visits_ref [4, V] (SMEM); x_ref [tm, Din] the visit's row tile; w_ref [bo, Din] its expert's columns;
+    # o_ref [tm, bo] f32, resident over the tile's consecutive visits.
+    v = pl.program_id(1)
+    tile, start, end = visits_ref[1, v], visits_ref[2, v], visits_ref[3, v]
+    prev = visits_ref[1, jnp.maximum(v - 1, 0)]
+
+    @pl.when((v == 0) | (tile != prev))
+    def _():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(end > start)
+    def _():
+        y = lax.dot_general(x_ref[...], w_ref[...], (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)                     # [tm, bo]
+        row = tile * tm + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+        o_ref[...] += jnp.where((row >= start) & (row < end), y, 0.0)
+
+
+def tpu_cost(M: int, E: int, Dout: int, Din: int, x_itemsize: int, w_itemsize: int, *, active=None) -> dict:
+    """HBM traffic of ``grouped_matmul_tpu`` from its grid and block specs: each visited expert's [Dout, Din]
+    once (``active`` experts with rows; default the static bound min(M, E)), the row tiles once per column
+    block, the f32 output once. Also the cost estimate handed to the compiler (with the static bound)."""
+    tm = _tpu_rows(jnp.float32 if x_itemsize == 4 else jnp.bfloat16)
+    rows = -(-M // tm) * tm
+    col_blocks = Dout // _tpu_block_out(Dout, Din, w_itemsize)
+    active = min(M, E) if active is None else active
+    weights = active * Dout * Din * w_itemsize
+    return dict(bytes=weights + col_blocks * rows * Din * x_itemsize + rows * Dout * 4, weight_bytes=weights,
+                flops=2 * M * Dout * Din)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def grouped_matmul_tpu(x, w, group_sizes, *, interpret=False):
+    """``grouped_matmul_reference``'s contract as a Pallas TPU (Mosaic) kernel that reads only the experts with
+    rows (``tpu_visits``): grid (column blocks, visits); a visit multiplies its row tile by its expert's
+    [block_out, Din] weight block, keeping the rows of that expert. Made for decode and verify (M = tokens x
+    top-k rows, most experts idle): one decode token reads its 8 experts, a 16-token verify the union of the
+    experts its tokens pick. The compiler is given ``tpu_cost``'s static bound (min(M, E) experts) as the
+    call's cost, since it cannot see inside a Mosaic call."""
+    _check_shapes(x, w, group_sizes)
+    M, Din = x.shape
+    E, Dout, _ = w.shape
+    tm = _tpu_rows(x.dtype)
+    rows = -(-M // tm) * tm
+    xp = jnp.pad(x, ((0, rows - M), (0, 0)))                                        # [rows, Din]
+    visits = tpu_visits(group_sizes, M, tm)                                         # [4, V]
+    bo = _tpu_block_out(Dout, Din, w.dtype.itemsize)
+    cost = tpu_cost(M, E, Dout, Din, x.dtype.itemsize, w.dtype.itemsize)
+    out = pl.pallas_call(
+        functools.partial(_tpu_kernel, tm=tm),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(Dout // bo, visits.shape[1]),
+            in_specs=[pl.BlockSpec((tm, Din), lambda j, v, s: (s[1, v], 0)),
+                      pl.BlockSpec((None, bo, Din), lambda j, v, s: (s[0, v], j, 0))],
+            out_specs=pl.BlockSpec((tm, bo), lambda j, v, s: (s[1, v], j))),
+        out_shape=jax.ShapeDtypeStruct((rows, Dout), jnp.float32),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=cost["flops"], transcendentals=0, bytes_accessed=cost["bytes"]),
+        interpret=interpret, name="grouped_matmul_tpu",
+    )(visits, xp, w)
+    total = jnp.sum(group_sizes.astype(jnp.int32))
+    out = jnp.where(jnp.arange(M)[:, None] < total, out[:M], 0.0)                   # rows past the groups: zeros
+    return out.astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

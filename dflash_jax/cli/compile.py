@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
 import jax
 
@@ -33,9 +34,24 @@ def compiler_option(text: str) -> tuple[str, object]:
     return key, value
 
 
+def check_args(args) -> None:
+    """One ValueError naming the flag for a value no compile could use, raised before any compile starts."""
+    for flag, values in (("--batch", args.batch), ("--tp", args.tp)):
+        if not values or min(values) < 1:
+            raise ValueError(f"{flag} {','.join(map(str, values))}: every value must be >= 1")
+    for flag, value in (("--block", args.block), ("--context", args.context)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if args.json:
+        parent = Path(args.json).absolute().parent
+        if not parent.is_dir():
+            raise ValueError(f"--json {args.json}: the directory {parent} does not exist; create it first")
+
+
 def cmd_compile(args) -> int:
     # The host traces on its CPU; the target devices are compile-only. Without this JAX would probe for a TPU
     # (libtpu installed) or a GPU (the CUDA plugin) as its default backend. Before JAX's first backend.
+    check_args(args)  # every flag before the first (minutes-long) compile
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
     from dflash_jax.decoding import runtime
@@ -45,8 +61,8 @@ def cmd_compile(args) -> int:
         devices = compile_report.tpu_devices(args.topology)
     else:
         devices = compile_report.gpu_devices(args.gpu, max(args.tp))
-    if max(args.tp) > len(devices):
-        raise ValueError(f"--tp {max(args.tp)} needs {max(args.tp)} devices; the topology has {len(devices)}")
+    where = f"the {args.topology} topology" if args.platform == "tpu" else f"{max(args.tp)} x {args.gpu}"
+    compile_report.check_tensor_parallel(args.tp, devices, where)
     if args.shape == "shipped":
         configs = (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
     else:
@@ -85,7 +101,8 @@ def add_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", choices=("tpu", "cuda"), default="tpu",
                    help="tpu: libtpu's compiler (pip install 'jax[tpu]==0.10.2'); cuda: XLA's GPU compiler "
-                        "(the CUDA plugin of jax[cuda12])")
+                        "(the CUDA plugin alone: pip install --no-deps jax-cuda12-plugin==0.10.2 "
+                        "jax-cuda12-pjrt==0.10.2)")
     p.add_argument("--topology", default="v5p:2x2x1",
                    help="TPU topology (chip:shape), e.g. v5p:2x2x1, v5e:2x4, v6e:2x2, v4:2x2x1")
     p.add_argument("--gpu", default="h200", choices=("h100", "h200"), help="GPU target (--platform cuda)")

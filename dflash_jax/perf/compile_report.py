@@ -39,6 +39,8 @@ GPUS = {
     "h100": dict(name="NVIDIA H100", major=9, core_count=132, memory=80e9, bandwidth=3.35e12, l2=50 * 2**20),
     "h200": dict(name="NVIDIA H200", major=9, core_count=132, memory=141e9, bandwidth=4.8e12, l2=50 * 2**20),
 }
+# The chip names users know (Cloud TPU's) for libtpu's ``device_kind``: a v5p chip calls itself "TPU v5".
+CHIP_NAMES = {"TPU v5": "TPU v5p", "TPU v5 lite": "TPU v5e", "TPU v6 lite": "TPU v6e"}
 PROGRAMS = ("decode", "verify", "settle", "draft", "step", "loop", "run")
 TAU = 10.377  # the report's 27B HumanEval tokens per step at block 16 (MI355X, vLLM)
 
@@ -58,6 +60,26 @@ def tpu_devices(topology: str) -> list:
         raise ValueError(f"--topology {topology}: no compile-only TPU devices ({str(e).splitlines()[0]}); "
                          f"install libtpu (pip install 'jax[tpu]==0.10.2') and name a topology such as "
                          f"v5p:2x2x1, v5e:2x4 or v6e:2x2") from None
+
+
+def check_tensor_parallel(sizes, devices: list, where: str) -> None:
+    """A ValueError naming ``--tp`` for a size whose first chips of ``devices`` form no mesh (more chips than
+    there are, or a count JAX's device-mesh builder cannot lay out on the topology, e.g. 3 of a 2x2), listing
+    the sizes that do; checked before any compile."""
+    def fits(tp):
+        if tp > len(devices):
+            return False
+        try:
+            parallel.make_mesh(model=tp, devices=devices[:tp])
+        except (AssertionError, ValueError, NotImplementedError):  # mesh_utils asserts on a shape it cannot tile
+            return False
+        return True
+
+    bad = [tp for tp in sizes if not fits(tp)]
+    if bad:
+        good = [tp for tp in range(1, len(devices) + 1) if fits(tp)]
+        raise ValueError(f"--tp {bad[0]}: {where} has {len(devices)} chips, and {bad[0]} of them form no "
+                         f"tensor-parallel mesh; use one of {', '.join(map(str, good))}")
 
 
 def gpu_target_config(gpu: str) -> str:
@@ -89,7 +111,8 @@ def gpu_devices(gpu: str, count: int = 1) -> list:
                                                 topology=f"1x1x{count}")
     except (RuntimeError, NotImplementedError, ValueError) as e:
         raise ValueError(f"--gpu {gpu}: no compile-only CUDA devices ({str(e).splitlines()[0]}); install the "
-                         f"CUDA plugin (pip install 'jax[cuda12]==0.10.2')") from None
+                         f"CUDA plugin alone, no CUDA libraries or GPU needed: pip install --no-deps "
+                         f"jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2 (docs/compile.md)") from None
     return list(topology.devices)
 
 
@@ -214,7 +237,8 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
     ``ratio``: verify(block) / decode(1) by the compiler's time and projected tokens/s per chip at ``tau``."""
     device = setup.devices[0]
     hbm = HBM_BYTES.get(device.device_kind)
-    head = dict(shape=setup.shape, device=device.device_kind, chips=setup.model, batch=setup.batch,
+    head = dict(shape=setup.shape, device=CHIP_NAMES.get(device.device_kind, device.device_kind),
+                device_kind=device.device_kind, chips=setup.model, batch=setup.batch,
                 block=setup.block, context=setup.context, hbm_bytes=hbm, compiler_options=compiler_options or {})
     built = programs(setup)
     rows = {}

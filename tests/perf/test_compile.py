@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,8 @@ def test_the_shipped_generate_compiles_for_one_chip_and_a_tensor_parallel_mesh(v
     one = _shipped(v5e)
     params = _param_bytes((one.target.params, one.drafter.params))
     (single,) = compile_report.report(one, ("run",))
-    assert single["device"] == "TPU v5 lite" and single["cost_source"] == "compiled"
+    assert single["device"] == "TPU v5e" and single["device_kind"] == "TPU v5 lite"  # Cloud TPU's name, libtpu's
+    assert single["cost_source"] == "compiled"
     assert params <= single["argument_bytes"] < 2 * params  # the params and the prompts, one copy
     assert single["flops"] > 0 and single["optimal_seconds"] > 0 and single["fits"]
     tp = _shipped(v5e, model=4)
@@ -81,3 +83,33 @@ def test_the_compile_command_writes_rows_and_refuses_an_unknown_topology(tmp_pat
     assert "verify(16) / decode(1)" in capsys.readouterr().out
     assert main(["compile", "--topology", "v9z:2x2"]) == 2
     assert "--topology v9z:2x2: no compile-only TPU devices" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "3"], "--tp 3: the v5e:2x2 topology has 4 chips, and 3 of them form no tensor-parallel mesh; use one "
+                    "of 1, 2, 4"),
+    (["--tp", "8"], "--tp 8: the v5e:2x2 topology has 4 chips"),
+    (["--tp", "0"], "--tp 0: every value must be >= 1"),
+    (["--batch", "1,0"], "--batch 1,0: every value must be >= 1"),
+    (["--context", "-5"], "--context -5: must be >= 1"),
+    (["--block", "0"], "--block 0: must be >= 1"),
+    (["--json", "no/such/dir/rows.json"], "the directory"),
+])
+def test_the_compile_command_refuses_bad_flags_in_one_line_before_compiling(flags, message, capsys, monkeypatch,
+                                                                            tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(compile_report, "report", lambda *a, **k: pytest.fail("compiled before refusing"))
+    assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x2", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_cuda_error_names_the_plugin_install_docs_compile_gives():
+    """Without the CUDA plugin the error gives the install line docs/compile.md gives (the plugin alone)."""
+    if importlib.util.find_spec("jax_cuda12_plugin") is not None:
+        pytest.skip("the CUDA plugin is installed")
+    with pytest.raises(ValueError) as e:
+        compile_report.gpu_devices("h200")
+    install = "pip install --no-deps jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2"
+    assert install in str(e.value)
+    assert install in (Path(__file__).parents[2] / "docs" / "compile.md").read_text()
