@@ -94,19 +94,31 @@ def ints(text: str) -> list[int]:
     return values
 
 
+def positive(text: str) -> int:
+    """An integer >= 1 (a size or a count), refused at parsing with the flag's name otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def add_mesh_arguments(parser) -> None:
     """The scale-out flags (vLLM's names for the sizes, JAX's for joining processes) on a CLI parser."""
     g = parser.add_argument_group("scale-out (a device mesh; several processes)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1,
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive, default=1,
                    help="devices on the model axis: heads, MLP width, vocabulary (and experts) split over them")
-    g.add_argument("--data-parallel-size", type=int, default=1, help="devices on the data axis: rows of a batch")
-    g.add_argument("--expert-parallel-size", type=int, default=1,
+    g.add_argument("--data-parallel-size", "-dp", type=positive, default=1,
+                   help="devices on the data axis: rows of a batch")
+    g.add_argument("--expert-parallel-size", type=positive, default=1,
                    help="devices on the expert axis: MoE experts split over tensor x expert parallel devices")
     g.add_argument("--distributed", action="store_true",
                    help="join a multi-process run (jax.distributed.initialize): the flags below, else "
                         "JAX_COORDINATOR_ADDRESS, else detected (Slurm, Open MPI, TPU); implied by them")
     g.add_argument("--coordinator-address", metavar="HOST:PORT", help="process 0's address, the same on every process")
-    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument("--num-processes", type=positive, help="processes in the run")
     g.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
 
 
@@ -167,6 +179,8 @@ def check_outputs(args) -> None:
         if isinstance(path, str | os.PathLike):
             atomic.check_output_file(path, writer=writer, flag=flag, overwrite=getattr(args, "overwrite", False),
                                      sources=inputs)
+    # (path, existed): undone by ``run`` if the command fails before writing there (no folder left holding a marker)
+    args.claimed_outputs = [(path, os.path.isdir(path)) for path in outputs.values()]
     for create in (False, True):  # every output checked before any is created
         for flag, path in outputs.items():
             atomic.claim_directory(path, writer=f"dflash-jax {args.command}", flag=flag, create=create,
@@ -180,11 +194,23 @@ def check_outputs(args) -> None:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
+def _release_claims(args) -> None:
+    """A failed command's output folders that hold only its claim marker are put back as they were."""
+    for path, existed in getattr(args, "claimed_outputs", ()):
+        atomic.release_claim(path, writer=f"dflash-jax {args.command}", existed=existed)
+
+
 def run(args) -> int:
     """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
     try:
-        check_outputs(args)
-        status = args.func(args) or 0
+        try:
+            check_outputs(args)
+            status = args.func(args) or 0
+        except BaseException:
+            _release_claims(args)
+            raise
+        if status:
+            _release_claims(args)
         for flag in OUTPUT_FILE_FLAGS:  # the files written are marked as this command's: a rerun may replace them
             path = getattr(args, flag[2:].replace("-", "_"), None)
             if isinstance(path, str | os.PathLike) and os.path.isfile(path):

@@ -76,7 +76,12 @@ def parse_speculative_config(text: str) -> dict:
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise ValueError(f"--speculative-config: unknown keys {unknown}; expected some of {list(SPEC_KEYS)}")
-    method = spec.get("method")
+    if "method" not in spec or spec["method"] is None:  # as vLLM: a "model" without a method is a draft model's
+        if not spec.get("model"):
+            raise ValueError('--speculative-config: give "method": "mtp" (the target\'s own MTP head) or "model": '
+                             'a DFlash drafter directory ("method" is then "dflash")')
+        spec = {**spec, "method": "dflash"}
+    method = spec["method"]
     if method not in ("dflash", "mtp"):
         raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash' or 'mtp'")
     steps = spec.get("num_speculative_tokens")
@@ -242,7 +247,8 @@ def cmd_generate(args) -> int:
         choice, _ = step_cost.choose(target, drafter, prompts, batch=len(prompts), draft_dir=req.draft_dir,
                                      key=(str(req.model_dir), str(req.draft_dir), dtype),
                                      max_new_tokens=args.max_new_tokens, sampling=req.sampling, seed=args.seed,
-                                     mesh=mesh)
+                                     mesh=mesh, progress=None if args.quiet else lambda m: print(
+                                         f"[block size auto: {m}…]", file=sys.stderr, flush=True))
         chosen = runtime.AR if choice.block == 1 else runtime.Method("dflash", choice.block)
         req = dataclasses.replace(req, method=chosen)
         if not args.quiet:

@@ -18,8 +18,10 @@ def cmd_ship(args) -> int:
         raise ValueError(f"--stages: unknown stages {unknown}; expected {list(ship.STAGES)}")
     t0 = time.time()
     sizes = ship.with_overrides(ship.TINY if args.tiny else ship.Sizes(), args.set)
-    log = ship.run(args.work, sizes, stages, install=ship.ASSETS if args.install else None)
-    print(f"[ship] done in {time.time() - t0:.0f} s; log: {json.dumps(log)}", flush=True)
+    log = ship.run(args.work, sizes, stages, install=ship.ASSETS if args.install else None, overwrite=args.overwrite)
+    brief = {k: {f: x for f, x in v.items() if f != "files"} if isinstance(v, dict) else v for k, v in log.items()}
+    print(f"[ship] done in {time.time() - t0:.0f} s; log (the results' checksums: {args.work / 'ship_log.json'}): "
+          f"{json.dumps(brief)}", flush=True)
     return 0
 
 
@@ -27,7 +29,12 @@ def add_parser(sub) -> None:
     """Registers ``ship`` on the ``dflash-jax`` subcommands."""
     p = sub.add_parser("ship", help="reproduce the shipped target, drafter and MTP head from scratch",
                        description=ship.__doc__.split("\n")[0])
-    p.add_argument("--work", type=Path, default=Path("ship_work"), help="stage outputs and checkpoints")
+    p.add_argument("--work", type=Path, default=Path("ship_work"),
+                   help="stage outputs and checkpoints: a new or empty directory, or one ship wrote (a rerun resumes "
+                        "there)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an existing, non-empty --work that ship did not write (its files of ship's "
+                        "names are replaced, its ship_log.json too; nothing there is taken as a finished stage)")
     p.add_argument("--install", action="store_true",
                    help=f"copy the exported models over the package's assets ({ship.ASSETS})")
     p.add_argument("--tiny", action="store_true", help="toy sizes: a fast end-to-end check of the pipeline")

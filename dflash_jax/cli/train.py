@@ -85,7 +85,7 @@ def _check_data(args) -> None:
 
 
 def _regenerated(args, target):
-    tok = tk.load(args.target)
+    tok = tk.load(args.target, "--target")
     prompts = corpus.eval_windows(_stream(args, tok, args.prompt_len), args.prompt_len, args.data_seqs)
     from dflash_jax.train.drafter import regenerate
     return regenerate(target, prompts, args.seq - args.prompt_len, batch=args.gen_batch), tok
@@ -115,7 +115,7 @@ def cmd_target(args) -> None:
     _positive(args, "layers", "hidden", "intermediate")
     if args.seq < 2:
         raise ValueError(f"--seq must be >= 2 (next-token prediction needs two tokens), got {args.seq}")
-    tok = tk.load(args.tokenizer)
+    tok = tk.load(args.tokenizer, "--tokenizer")
     eos = tok.token_to_id(tk.EOS)
     cfg = lm.small_config(vocab_size=tok.get_vocab_size(), eos_id=eos, layers=args.layers, hidden=args.hidden,
                           intermediate=args.intermediate)

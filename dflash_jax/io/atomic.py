@@ -188,6 +188,39 @@ def claim_directory(path: str | Path, *, writer: str, flag: str = "--out", overw
     return real
 
 
+def release_claim(path: str | Path, *, writer: str, existed: bool) -> bool:
+    """Undoes a ``claim_directory`` that nothing followed (the command failed before writing there): when ``path``
+    holds only ``writer``'s marker, the marker is removed, and the directory too unless it ``existed`` before the
+    claim (an empty folder of the user's stays, empty). Anything else in it is left alone. True if undone."""
+    path = Path(path)
+    try:
+        entries = [e.name for e in os.scandir(path)]
+    except OSError:
+        return False
+    if entries != [MARKER] or written_by(path) != writer:
+        return False
+    with contextlib.suppress(OSError):
+        (path / MARKER).unlink()
+        if not existed:
+            path.rmdir()
+    return True
+
+
+@contextlib.contextmanager
+def claimed(path: str | Path, *, writer: str, flag: str = "--out", overwrite: bool = False,
+            sources=()) -> Iterator[Path]:
+    """``claim_directory`` for the length of a block: if the block raises (or is interrupted) before anything but the
+    marker was written into the directory, the claim is undone (``release_claim``), so a failed run leaves no
+    directory holding only its marker."""
+    existed = Path(path).is_dir()
+    real = claim_directory(path, writer=writer, flag=flag, overwrite=overwrite, sources=sources)
+    try:
+        yield real
+    except BaseException:
+        release_claim(real, writer=writer, existed=existed)
+        raise
+
+
 _XATTR = "user.dflash_jax.writer"  # a written file's marker, in its metadata (its content is the user's format)
 
 
@@ -321,7 +354,8 @@ def directory_writer(path: str | Path, *, replaces: Callable[[Path], bool] | Non
             lock_file.unlink(missing_ok=True)
 
 
-def _sha256(file: Path) -> str:
+def sha256(file: str | Path) -> str:
+    """The SHA-256 (hex) of a file's bytes, read in chunks."""
     h = hashlib.sha256()
     with open(file, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -337,7 +371,7 @@ def _files(root: Path) -> dict[str, Path]:
 def _sha256s(files: list[Path]) -> list[str]:
     """SHA-256 of each file, several at once (hashlib releases the GIL; a 27B copy is tens of GB)."""
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(_sha256, files))
+        return list(pool.map(sha256, files))
 
 
 def write_manifest(root: str | Path) -> None:

@@ -19,7 +19,10 @@ b is dropped where that bound is under ``PRUNE`` x the best rate sized so far (e
 both sides, with the margin for a noisy sizing run). Results are kept in memory per (model key, batch,
 backend, blocks, sampling, prompt bucket, tokens): a second choice in one process measures nothing. What it
 costs: one compilation per block it times (~6 s each for the shipped pair on 2 cores), plus ~(2 + REPEATS) x
-WINDOW of runs each; the reason line says how long it took.
+WINDOW of runs each; the reason line says how long it took. On a busy machine (compilations 3-4x slower) the
+choice is bounded by ``BUDGET``: once it is spent, no further block is compiled (a block the calibration already
+compiled is still sized: it costs no compilation) and no further timed round starts; the reason line names the
+blocks left out so. ``progress`` (the front ends print it on stderr) hears of each phase as it starts.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ WINDOW = 0.3  # seconds: the long run's steps take at least this much more than 
 MAX_STEPS = 1024
 REPEATS = 5  # rounds; each block's cost is the median of its per-round differences
 PRUNE = 0.7  # a block whose bound on tokens/s is under this fraction of the best sized rate is not timed
+BUDGET = 30.0  # seconds: ``choose``'s bound on the measurement (the module doc); the shipped pair's takes ~21 s quiet
 _MEMO: dict = {}
 
 
@@ -59,6 +63,8 @@ class StepCosts:
     cached: bool = False
     untimed: tuple[int, ...] = ()  # blocks dropped by the bound (module doc): they cannot win
     compiled: int = 0  # programs compiled
+    over_budget: tuple[int, ...] = ()  # blocks left unsized because the budget was spent
+    rounds: int = REPEATS  # timed rounds run (fewer than asked when the budget was spent)
 
 
 def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
@@ -68,13 +74,17 @@ def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
 
 def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, max_new_tokens: int,
             sampling: SamplingConfig = SamplingConfig(), calibrate: bool = False, acceptance=None, seed: int = 0,
-            mesh=None, steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter) -> StepCosts:
+            mesh=None, steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter,
+            budget: float | None = None, progress=None) -> StepCosts:
     """Seconds per loop step at each of ``blocks`` that can win for ``batch`` rows of ``prompts`` (see the module
     doc); ``calibrate``: also the largest block's histogram of accepted drafts over a whole run, first;
-    ``acceptance`` (a_k, from a card) or the calibration's lets it leave out blocks that cannot win."""
+    ``acceptance`` (a_k, from a card) or the calibration's lets it leave out blocks that cannot win. ``budget``
+    (seconds, None: none) bounds the measurement as the module doc says; ``progress(message)`` hears each phase."""
     if steps < 2 or repeats < 1:
         raise ValueError(f"steps must be >= 2 and repeats >= 1, got {steps} and {repeats}")
     start = clock()
+    say = progress or (lambda message: None)
+    spent = lambda: budget is not None and clock() - start > budget  # noqa: E731
     tokens, lengths = pad_prompts(rows_for(prompts, batch), bucket_for(max(len(p) for p in prompts)),
                                   vocab_size=target.cfg.vocab_size)
     programs = {}
@@ -98,6 +108,7 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
 
     histogram = None
     if calibrate:
+        say(f"calibrating the drafter's acceptance on these prompts: compiling and running block {max(blocks)}")
         histogram = tuple(int(c) for c in np.asarray(run(max(blocks), max_new_tokens, until_done=True)[0]))
         if sum(histogram):
             acceptance = blocksize.acceptance_from_histogram(histogram)
@@ -105,12 +116,17 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
     # included: the best rate is not overrated), at least its extra time over the short run per extra step (a
     # slow short run lowers it: fewer blocks dropped). A later block costs at least the largest lower bound.
     expected = lambda b: blocksize.expected_tokens(acceptance, b)  # noqa: E731
-    long, at_most, at_least, untimed = {}, {}, {}, []
+    long, at_most, at_least, untimed, over_budget = {}, {}, {}, [], []
     for block in sorted(blocks):  # untimed: each program's compilation, then warm runs doubling the long run's steps
         if acceptance is not None and at_most and expected(block) < \
                 PRUNE * max(at_least.values()) * max(expected(b) / c for b, c in at_most.items()):
             untimed.append(block)
             continue
+        if at_most and block not in compiled and spent():
+            over_budget.append(block)
+            continue
+        say(f"sizing block {block} at batch {batch}: "
+            + ("timing its step" if block in compiled else "compiling its program, then timing its step"))
         run(block, 1)
         short, n = seconds(block, 1), steps
         while (took := seconds(block, n)) - short < WINDOW and n < MAX_STEPS:
@@ -118,7 +134,12 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
         long[block], at_most[block], at_least[block] = n, took / n, max(took - short, 0.0) / (n - 1)
     diffs = {b: [] for b in long}
     order = [b for b in blocks if b in long]
+    rounds = 0
     for r in range(repeats):
+        if r and spent():
+            break
+        rounds += 1
+        say(f"timing blocks {', '.join(map(str, order))}: round {r + 1} of {repeats}")
         for block in (order if r % 2 == 0 else order[::-1]):
             times = {n: seconds(block, n) for n in ((1, long[block]) if r % 2 == 0 else (long[block], 1))}
             diffs[block].append((times[long[block]] - times[1]) / (long[block] - 1))
@@ -126,12 +147,12 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
                 diffs[block][-1] = times[long[block]] / long[block]
     costs = {b: statistics.median(d) for b, d in diffs.items()}
     return StepCosts(costs=costs, histogram=histogram, seconds=clock() - start, untimed=tuple(untimed),
-                     compiled=len(compiled))
+                     compiled=len(compiled), over_budget=tuple(over_budget), rounds=rounds)
 
 
 def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_dir, max_new_tokens: int,
            sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh=None,
-           blocks=None) -> tuple[blocksize.Choice, StepCosts]:
+           blocks=None, budget: float | None = BUDGET, progress=None) -> tuple[blocksize.Choice, StepCosts]:
     """The block ``auto`` picks for ``batch`` rows (``blocksize.choose_block``): acceptance from the card in
     ``draft_dir`` (when it was recorded for its weights at this temperature) or calibrated here, costs measured here (or
     remembered: ``key`` names the models, e.g. their folders and dtype)."""
@@ -149,7 +170,7 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
     else:
         costs = measure(target, drafter, prompts, batch=batch, blocks=blocks, max_new_tokens=max_new_tokens,
                         sampling=sampling, calibrate=card is None, acceptance=None if card is None else card.acceptance,
-                        seed=seed, mesh=mesh)
+                        seed=seed, mesh=mesh, budget=budget, progress=progress)
         _MEMO[memo_key] = costs
     if card is not None:
         acceptance, source = card.acceptance, f"from {blocksize.CARD} ({card.prompts})"
@@ -164,6 +185,12 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
     if costs.untimed:
         timing += (f"; block{'s' * (len(costs.untimed) > 1)} {', '.join(map(str, costs.untimed))} not timed: under "
                    f"{PRUNE:.0%} of the best even at a smaller block's step cost")
+    if costs.over_budget:
+        timing += (f"; block{'s' * (len(costs.over_budget) > 1)} {', '.join(map(str, costs.over_budget))} not "
+                   f"timed: the {budget:.0f} s budget of the choice was spent (a busy machine; --block-size N "
+                   "runs block N)")
+    if costs.rounds < REPEATS and not costs.cached:
+        timing += f"; {costs.rounds} timed round{'s' * (costs.rounds > 1)} of {REPEATS} (the budget)"
     choice = blocksize.choose_block(acceptance[:max(blocks) - 1], costs.costs, batch=batch,
                                     source=f"{source}; step costs {timing}")
     return choice, costs

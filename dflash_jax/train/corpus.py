@@ -52,19 +52,73 @@ def read_texts(files: list[Path]) -> Iterator[str]:
             continue
 
 
+def classify(data: bytes) -> tuple[str | None, str]:
+    """(text, "") for UTF-8 text (a byte-order mark dropped); else (None, why it is not: "UTF-16", "binary",
+    "not UTF-8")."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return None, "UTF-16"
+    if b"\x00" in data:
+        half = max(len(data) // 2, 1)  # ASCII in UTF-16 without a mark: every other byte is zero
+        if data[1::2].count(0) > 0.4 * half or data[0::2].count(0) > 0.4 * half:
+            return None, "UTF-16"
+        return None, "binary"
+    try:
+        return data.decode("utf-8-sig"), ""
+    except UnicodeDecodeError:
+        return None, "not UTF-8"
+
+
+WHY = {"UTF-16": "UTF-16 (save them as UTF-8)", "binary": "binary (NUL bytes)",
+       "not UTF-8": "not UTF-8 (latin-1 or another 8-bit encoding; save them as UTF-8)",
+       "empty": "empty or whitespace only", "unreadable": "unreadable"}
+
+
+def read_dir(path: Path) -> tuple[list[str], dict[str, list[Path]]]:
+    """The texts of every file under ``path`` (sorted; hidden files and folders left out) and the files skipped,
+    by reason (``WHY``'s keys)."""
+    texts, skipped = [], {}
+    for f in sorted(path.rglob("*")):
+        if not f.is_file() or any(part.startswith(".") for part in f.relative_to(path).parts):
+            continue
+        try:
+            text, why = classify(f.read_bytes())
+        except OSError:
+            text, why = None, "unreadable"
+        if text is not None and not text.strip():
+            text, why = None, "empty"
+        if text is None:
+            skipped.setdefault(why, []).append(f)
+        else:
+            texts.append(text)
+    return texts, skipped
+
+
+def skipped_summary(skipped: dict[str, list[Path]], root: Path) -> str:
+    """"3 files skipped: 2 not UTF-8 (...): a.txt, b.txt; 1 binary (NUL bytes): c.bin" (five names per reason)."""
+    parts = []
+    for why, files in skipped.items():
+        names = ", ".join(f.relative_to(root).as_posix() for f in files[:5]) + (", ..." if len(files) > 5 else "")
+        parts.append(f"{len(files)} {WHY[why]}: {names}")
+    n = sum(map(len, skipped.values()))
+    return f"{n} file{'s' * (n != 1)} skipped: " + "; ".join(parts)
+
+
 def user_texts(path: str | Path, flag: str = "--corpus") -> list[str]:
-    """A corpus of one's own: a directory (every file under it, in sorted order, read as UTF-8; hidden files and
-    files that are not UTF-8 text are skipped) or a JSONL file with one ``{"text": ...}`` object per line (a
-    ``"prompt"`` string is taken too). Errors name ``flag`` and the file."""
+    """A corpus of one's own: a directory (every file under it, in sorted order, read as UTF-8; hidden files are
+    left out, and files that are not UTF-8 text skipped, counted by reason on stderr) or a JSONL file with one
+    ``{"text": ...}`` object per line (a ``"prompt"`` string is taken too). Errors name ``flag`` and the file."""
+    import sys
+
     from dflash_jax.decoding.runtime import read_jsonl
 
     path = Path(path)
     if path.is_dir():
-        files = [f for f in sorted(path.rglob("*")) if f.is_file()
-                 and not any(part.startswith(".") for part in f.relative_to(path).parts)]
-        texts = [t for t in read_texts(files) if t.strip()]
+        texts, skipped = read_dir(path)
         if not texts:
-            raise ValueError(f"{flag} {path}: no UTF-8 text files in the directory")
+            raise ValueError(f"{flag} {path}: no UTF-8 text files in the directory"
+                             + (f" ({skipped_summary(skipped, path)})" if skipped else ""))
+        if skipped:
+            print(f"{flag} {path}: read {len(texts)} text files; {skipped_summary(skipped, path)}", file=sys.stderr)
         return texts
     texts = []
     for i, row in enumerate(read_jsonl(str(path), flag), 1):

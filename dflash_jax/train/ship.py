@@ -1,9 +1,12 @@
 """Reproduces the models shipped in ``dflash_jax/assets`` from scratch, with fixed seeds.
 
 ``dflash-jax ship [--work DIR] [--tiny] [--install]`` runs the stages
-tokenizer -> target -> data -> drafter -> mtp -> export -> eval. Each stage leaves its result in the
-work directory and is skipped when that result exists (the training stages also resume from their
-orbax checkpoints), so an interrupted run continues where it stopped. ``export`` assembles the
+tokenizer -> target -> data -> drafter -> mtp -> export -> eval. The work directory is claimed as every
+writer's output is (``atomic.claim_directory``: new, empty, ship's own, or ``--overwrite``). Each stage
+writes its result there whole and records its files' sizes and SHA-256s in ``ship_log.json``; a rerun
+skips a stage whose recorded files are there unchanged (the training stages also resume from their
+orbax checkpoints), so an interrupted run continues where it stopped, and nothing ship did not record
+is taken as a finished stage. ``export`` assembles the
 shipped layout in ``DIR/export`` (target with tokenizer and MTP head, drafter, ship_log.json) and
 ``eval`` measures it there; only ``--install`` copies it over the package's ``dflash_jax/assets``.
 ``--tiny`` runs the whole pipeline at toy sizes in a couple of minutes (a smoke test, not a model).
@@ -104,32 +107,104 @@ def _unused_humaneval(tok, n_eval: int) -> tuple[str, list[list[int]]]:
     return f"HumanEval/{n_eval}..{n_eval + len(texts) - 1}", [tok.encode(t).ids for t in texts]
 
 
-def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = None) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    log_file = work / "ship_log.json"
-    log = json.loads(log_file.read_text()) if log_file.exists() else {}
-    log["sizes"] = dataclasses.asdict(sizes)
-    tok_dir = work / "tokenizer"
+WRITER = "dflash-jax ship"  # the work directory's marker (atomic.written_by)
+# Each stage's result: files or directories in the work directory, recorded (sizes, SHA-256s) when it finished.
+RESULTS = {"tokenizer": ("tokenizer",), "target": ("target",), "grow": ("grown",), "data": ("data.npz",),
+           "features": ("taps.npy", "hidden.npy"), "drafter": ("drafter",), "mtp": ("target_mtp",)}
 
+
+def _files(work: Path, names) -> dict[str, list]:
+    """{path relative to ``work``: [size, sha256]} of every file in ``names`` (files, or directories walked)."""
+    found = []
+    for name in names:
+        path = work / name
+        found += sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path] * path.is_file()
+    return {f.relative_to(work).as_posix(): [f.stat().st_size, atomic.sha256(f)] for f in found}
+
+
+def finished(log: dict, work: Path, stage: str) -> bool:
+    """Whether ``stage``'s result is in ``work`` as ship recorded it when the stage finished (every file there,
+    same sizes and checksums): a result ship did not write, or one changed since, is not a finished stage."""
+    entry = log.get(stage)
+    recorded = entry.get("files") if isinstance(entry, dict) else None
+    return bool(recorded) and recorded == _files(work, RESULTS[stage])
+
+
+def read_log(log_file: Path) -> dict:
+    """A ship log (``{}`` if there is none); a corrupt one is a ``ValueError`` naming the file."""
+    try:
+        log = json.loads(log_file.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{log_file}: unreadable ship log ({e}); remove it to start the log afresh (every stage "
+                         "then runs again) or give another --work") from None
+    if not isinstance(log, dict):
+        raise ValueError(f"{log_file}: not a ship log (a JSON object of stages); remove it or give another --work")
+    return log
+
+
+def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = None, overwrite: bool = False) -> dict:
+    """Runs ``stages`` in ``work`` (claimed: refused if non-empty and not ship's, unless ``overwrite``); returns the
+    log. ``ValueError`` when a stage needs an earlier stage's result that is not there as ship recorded it."""
+    work = Path(work)
+    ours = atomic.written_by(work) == WRITER  # a rerun: its log and recorded results are ship's own
+    with atomic.claimed(work, writer=WRITER, flag="--work", overwrite=overwrite):
+        log_file = work / "ship_log.json"
+        log = read_log(log_file) if ours else {}
+        log["sizes"] = dataclasses.asdict(sizes)
+        if not ours and log_file.exists():  # a file of the user's (--overwrite): replaced now, never merged
+            atomic.write_text(log_file, json.dumps(log, indent=2))
+        return _run(work, sizes, stages, install, log, log_file)
+
+
+def _run(work: Path, sizes: Sizes, stages: list[str], install: Path | None, log: dict, log_file: Path) -> dict:
+    tok_dir = work / "tokenizer"
     mine = {"sizes"}  # entries this process wrote; stages may run in parallel processes (--stages drafter / mtp)
 
+    checked: dict[str, bool] = {}  # stage -> finished, each result hashed once
+
     def stamp(name: str, t0: float, **values) -> None:
+        files = _files(work, RESULTS[name]) if name in RESULTS else None
         _stamp(log, name, t0, **values)
+        if files is not None:
+            log[name]["files"] = files
+            checked[name] = True
         mine.add(name)
 
     def save_log():  # keeps what other processes wrote meanwhile: read and write under one lock, whole or nothing
         with open(work / "ship_log.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            disk = json.loads(log_file.read_text()) if log_file.exists() else {}
+            disk = read_log(log_file)
             log.update({k: v for k, v in disk.items() if k not in mine})
             atomic.write_text(log_file, json.dumps(log, indent=2))
 
-    if "tokenizer" in stages and not (tok_dir / "tokenizer.json").exists():
+    def done(stage: str) -> bool:
+        if stage not in checked:
+            checked[stage] = finished(log, work, stage)
+        return checked[stage]
+
+    def todo(stage: str) -> bool:
+        return stage in stages and not done(stage)
+
+    def need(stage: str) -> None:
+        """Before a stage's result is read: it must be there as ship recorded it."""
+        if not done(stage):
+            which = "the data, drafter or mtp stage (they compute it)" if stage == "features" else f"the {stage} stage"
+            raise ValueError(f"--stages {','.join(stages)}: the {stage} result in {work} "
+                             f"({', '.join(RESULTS[stage])}) is missing or not as ship recorded it; run {which}")
+
+    def whole(name: str):  # a directory of the work dir, written whole (an interrupted write leaves the old one)
+        return atomic.directory_writer(work / name)
+
+    if todo("tokenizer"):
         t0 = time.time()
         tok = tk.train_tokenizer(corpus.stdlib_files("train"), sizes.vocab)
-        tk.save_hf(tok, tok_dir)
+        with whole("tokenizer") as tmp:
+            tk.save_hf(tok, tmp)
         stamp("tokenizer", t0, vocab=tok.get_vocab_size())
         save_log()
+    need("tokenizer")
     tok = tk.load(tok_dir)
     eos, mask = tok.token_to_id(tk.EOS), tok.token_to_id(tk.MASK)
     train_stream = corpus.token_stream(tok, corpus.stdlib_files("train"), eos)
@@ -139,7 +214,7 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     from dflash_jax.train import lm
 
     target_dir = work / "target"
-    if "target" in stages and not (target_dir / "model.safetensors").exists():
+    if todo("target"):
         t0 = time.time()
         cfg = lm.small_config(vocab_size=tok.get_vocab_size(), eos_id=eos, layers=sizes.layers, hidden=sizes.hidden,
                               intermediate=sizes.intermediate)
@@ -151,7 +226,8 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         held_nll = lm.heldout_loss(target, held)
         held_bytes = sum(len(tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in held)
         train_eval = lm.heldout_loss(target, corpus.eval_windows(train_stream, sizes.seq, sizes.heldout_windows))
-        lm.save_target(target_dir, target)
+        with whole("target") as tmp:
+            lm.save_target(tmp, target)
         stamp("target", t0, params=lm.param_count(target.params), steps=res.step,
                tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(res.seconds, 1),
                tokens_per_second=round(res.step * sizes.target_batch * sizes.seq / max(res.seconds, 1e-9)),
@@ -159,9 +235,10 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                heldout_nats_per_byte=held_nll * held.shape[0] * (held.shape[1] - 1) / held_bytes)
         save_log()
     grown_dir = work / "grown"
-    if "grow" in stages and sizes.grow_layers and not (grown_dir / "model.safetensors").exists():
+    if sizes.grow_layers and todo("grow"):
         from dflash_jax.train import grow
         t0 = time.time()
+        need("target")
         base = load_target(target_dir, jnp.float32, mtp=False, progress=False)
         cfg = grow.grown_config(base.cfg, hidden=sizes.grow_hidden, layers=sizes.grow_layers,
                                 intermediate=sizes.grow_intermediate, heads=sizes.grow_heads[0],
@@ -187,7 +264,8 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                                       log_file=work / "progress_grown.jsonl")
         held_nll = lm.heldout_loss(target, held)
         held_bytes = sum(len(tok.decode(row[1:].tolist(), skip_special_tokens=False).encode()) for row in held)
-        lm.save_target(grown_dir, target)
+        with whole("grown") as tmp:
+            lm.save_target(tmp, target)
         rows = [json.loads(r) for r in (work / "progress_grown.jsonl").read_text().splitlines()]
         stamp("grow", t0, params=lm.param_count(target.params), steps=res.step, growth_check=check,
                tokens=res.step * sizes.target_batch * sizes.seq, train_seconds=round(sum(
@@ -196,14 +274,15 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                final_train_loss=rows[-1]["loss"], heldout_loss=held_nll,
                heldout_nats_per_byte=held_nll * held.shape[0] * (held.shape[1] - 1) / held_bytes)
         save_log()
-    if stages in (["tokenizer", "target"], ["tokenizer", "target", "grow"]):
+    if not set(stages) - {"tokenizer", "target", "grow"}:  # the target's stages alone
         return log
+    need("grow" if sizes.grow_layers else "target")
     target = load_target(grown_dir if sizes.grow_layers else target_dir, jnp.float32, progress=False)
 
     from dflash_jax.train import drafter as dtrain
 
     data_file = work / "data.npz"
-    if "data" in stages and not data_file.exists():
+    if todo("data"):
         t0 = time.time()
         prompts = corpus.eval_windows(train_stream, sizes.prompt_len, sizes.data_seqs)
         source, extra = _unused_humaneval(tok, sizes.eval_prompts)
@@ -211,27 +290,30 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
             prompts = np.concatenate([prompts, corpus.prompt_windows(extra, sizes.prompt_len, sizes.humaneval_seqs,
                                                                      seed=2)])
         seqs = dtrain.regenerate(target, prompts, sizes.gen_tokens, batch=sizes.gen_batch)
-        np.savez(data_file, tokens=seqs, prompt_len=sizes.prompt_len)
+        with atomic.file_writer(data_file) as f:
+            np.savez(f, tokens=seqs, prompt_len=sizes.prompt_len)
         stamp("data", t0, sequences=len(seqs), tokens=int(seqs.size), stdlib_sequences=sizes.data_seqs,
                prompt_sequences=len(seqs) - sizes.data_seqs, prompt_source=source)
         save_log()
+    need("data")
     data = np.load(data_file)
     seqs, prompt_len = data["tokens"], int(data["prompt_len"])
 
     # The frozen target's features of every sequence, computed once for both the drafter and the MTP head.
     taps_file, hidden_file = work / "taps.npy", work / "hidden.npy"
-    if {"data", "drafter", "mtp"} & set(stages) and not hidden_file.exists():
+    if {"data", "drafter", "mtp"} & set(stages) and not done("features"):
         t0 = time.time()
         taps, hidden = dtrain.compute_features(target, seqs, sizes.drafter_taps)
-        np.save(taps_file, taps)
-        np.save(hidden_file.with_suffix(".tmp.npy"), hidden)
-        hidden_file.with_suffix(".tmp.npy").rename(hidden_file)  # last: its presence means both are whole
+        for file, array in ((taps_file, taps), (hidden_file, hidden)):
+            with atomic.file_writer(file) as f:
+                np.save(f, array)
         stamp("features", t0, taps=list(taps.shape), hidden=list(hidden.shape))
         save_log()
 
     drafter_dir = work / "drafter"
-    if "drafter" in stages and not (drafter_dir / "model.safetensors").exists():
+    if todo("drafter"):
         t0 = time.time()
+        need("features")
         dcfg = dtrain.drafter_config(target.cfg, num_layers=sizes.drafter_layers, taps=sizes.drafter_taps,
                                      mask_token_id=mask, heads=sizes.drafter_heads[0],
                                      kv_heads=sizes.drafter_heads[1], intermediate=sizes.drafter_intermediate)
@@ -242,7 +324,8 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
                                             log_file=work / "progress_drafter.jsonl",
                                             taps=np.load(taps_file, mmap_mode="r"))
         from dflash_jax.models.drafter import save_drafter
-        save_drafter(drafter_dir, drafter)
+        with whole("drafter") as tmp:
+            save_drafter(tmp, drafter)
         last = _last_row(work / "progress_drafter.jsonl")
         stamp("drafter", t0, params=lm.param_count(drafter.params), steps=res.step,
                train_seconds=last.get("seconds"), final_loss=last.get("loss"), final_acc=last.get("acc"),
@@ -250,15 +333,17 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
         save_log()
 
     final_dir = work / "target_mtp"
-    if "mtp" in stages and not (final_dir / "model.safetensors").exists():
+    if todo("mtp"):
         from dflash_jax.train import mtp as mtrain
         t0 = time.time()
+        need("features")
         tcfg = loop.TrainConfig(steps=sizes.mtp_steps, lr=sizes.mtp_lr, ckpt_every=20, stop_at=sizes.mtp_stop)
         with_mtp, res = mtrain.train_mtp(target, seqs, prompt_len, tcfg, batch=sizes.mtp_batch, seed=0,
                                          unroll=sizes.mtp_unroll, anchors=sizes.mtp_anchors,
                                          ckpt_dir=work / "ckpt_mtp", log_file=work / "progress_mtp.jsonl",
                                          hidden=np.load(hidden_file, mmap_mode="r"))
-        lm.save_target(final_dir, with_mtp)
+        with whole("target_mtp") as tmp:
+            lm.save_target(tmp, with_mtp)
         last = _last_row(work / "progress_mtp.jsonl")
         stamp("mtp", t0, params=lm.param_count(with_mtp.params["mtp"]), steps=res.step,
                train_seconds=last.get("seconds"), final_loss=last.get("loss"),
@@ -268,13 +353,14 @@ def run(work: Path, sizes: Sizes, stages: list[str], *, install: Path | None = N
     export = work / "export"
     if "export" in stages:  # matrices in bfloat16 (the repository's size; loaders compute in f32 on request)
         from dflash_jax.models.drafter import load_drafter, save_drafter
-        for name in ("target", "drafter"):
-            shutil.rmtree(export / name, ignore_errors=True)
+        need("mtp")
+        need("drafter")
         with_mtp = load_target(final_dir, jnp.float32, progress=False)
-        lm.save_target(export / "target", with_mtp, matrix_dtype=sizes.export_dtype)
-        save_drafter(export / "drafter", load_drafter(drafter_dir, with_mtp, progress=False),
-                     matrix_dtype=sizes.export_dtype)
-        tk.save_hf(tok, export / "target")
+        with whole("export/target") as tmp:
+            lm.save_target(tmp, with_mtp, matrix_dtype=sizes.export_dtype)
+            tk.save_hf(tok, tmp)
+        with whole("export/drafter") as tmp:
+            save_drafter(tmp, load_drafter(drafter_dir, with_mtp, progress=False), matrix_dtype=sizes.export_dtype)
         print(f"[ship] exported to {export}", flush=True)
 
     if "eval" in stages:

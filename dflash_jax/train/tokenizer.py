@@ -53,5 +53,17 @@ def save_hf(tok: Tokenizer, path: str | Path) -> None:
     atomic.write_text(path / "special_tokens_map.json", json.dumps(special, indent=2))
 
 
-def load(path: str | Path) -> Tokenizer:
-    return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
+def load(path: str | Path, flag: str | None = None) -> Tokenizer:
+    """The tokenizer of a directory holding ``tokenizer.json`` (``save_hf``'s, or a Hugging Face model's); a missing
+    or unreadable file is a ``ValueError`` naming it (and ``flag``, the option that gave ``path``)."""
+    file = Path(path) / "tokenizer.json"
+    given = f"{flag} {path}" if flag else str(path)
+    if not file.is_file():
+        why = "no such directory" if not Path(path).exists() else "not a directory" if not Path(path).is_dir() \
+            else "it holds no tokenizer.json"
+        raise ValueError(f"{given}: {why}; expected a tokenizer directory with {file.name} "
+                         "(as dflash-jax train-tokenizer --out writes, or a Hugging Face model's)")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file
+        raise ValueError(f"{file}: not a readable tokenizer ({e})") from None

@@ -415,3 +415,22 @@ def test_nonfinite_logits_are_an_error_not_a_stop(capsys, tmp_path):
     assert json.loads(out.out)["completions"][0]["finish_reason"] == "nonfinite"
     assert out.err.startswith("dflash-jax: error: prompt 1: the target's logits became non-finite")
     assert "temperature 1e-38 is too small" in _error(capsys, ["generate", "x", "--temperature", "1e-38"])
+
+
+def test_a_speculative_config_without_a_method_is_a_draft_models_as_in_vllm(capsys):
+    spec = cli_generate.parse_speculative_config('{"model": "D", "num_speculative_tokens": 3}')
+    assert spec == {"method": "dflash", "model": "D", "num_speculative_tokens": 3}
+    err = _error(capsys, ["generate", "x", "--speculative-config", '{"num_speculative_tokens": 3}'])
+    assert 'give "method": "mtp"' in err and "unknown method None" not in err
+    assert 'give "method": "mtp"' in _error(capsys, ["generate", "x", "--speculative-config", '{"method": null}'])
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "serve"])
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
+                                  "--expert-parallel-size", "--num-processes"])
+def test_mesh_sizes_below_one_are_refused_when_parsed(capsys, command, flag):
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, flag, "0"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "expected an integer >= 1, got 0" in err and flag.lstrip("-")[:2] in err
