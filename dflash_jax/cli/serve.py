@@ -1,16 +1,18 @@
 """``dflash-jax serve``: the OpenAI-compatible server's command line (flags as vLLM's ``serve``).
 
 Checks the flags and the model configs before any weight loads (the method as ``generate`` chooses it:
-``--speculative-config``, ``--draft-model``, ``--block-size``), loads the target and proposer through
-``runtime.py``, builds the engine (``serve/engine.py``) over ``--max-num-seqs`` slots of
-``--max-model-len`` tokens, compiles its programs, and serves the app (``serve/app.py``) with uvicorn on
-``--host``/``--port`` until SIGINT or SIGTERM: then it stops taking connections, finishes the requests
-in flight, and exits.
+``--speculative-config``, ``--draft-model``, ``--block-size``) and binds ``--host``/``--port`` (a port in use
+is refused before anything loads), loads the target and proposer through ``runtime.py``, chooses the DFlash
+block by cost for ``--max-num-seqs`` rows as ``generate --block-size auto`` does (unless a block is given),
+builds the engine (``serve/engine.py``) over ``--max-num-seqs`` slots of ``--max-model-len`` tokens, compiles
+its programs, and serves the app (``serve/app.py``) with uvicorn on the bound socket until SIGINT or SIGTERM:
+then it stops taking connections, finishes the requests in flight, and exits.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import jax
@@ -23,6 +25,12 @@ from dflash_jax.decoding import runtime
 log = logging.getLogger("dflash_jax.serve")
 
 DEFAULT_MAX_MODEL_LEN = 2048
+SHIPPED_NAME = "dflash-jax-shipped"  # the model id of the shipped pair (no --model given)
+# --block-size auto sizes the block on these (greedy, as generate's default; rows cycled to --max-num-seqs)
+SIZING_PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
+                  "import os\n\n\ndef list_files(path):\n",
+                  "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n")
+SIZING_NEW_TOKENS = 128
 
 
 def _settings(args):
@@ -52,7 +60,13 @@ def _settings(args):
     draft_block = None
     if draft_dir is not None:
         draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
-    method = method_from_flags(args, spec, draft_block)
+    if spec is None and draft_dir is None and args.block_size is None:  # --model DIR and nothing to draft with
+        from dflash_jax.cli.generate import MTP_DEFAULT_STEPS
+
+        has_mtp = cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir)  # as generate (and vLLM)
+        method = runtime.Method("mtp", MTP_DEFAULT_STEPS + 1) if has_mtp else runtime.AR
+    else:
+        method = method_from_flags(args, spec, draft_block)
     if method.kind == "dflash" and method.block > draft_block:
         raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
                          f"size {draft_block} ({draft_dir})")
@@ -85,6 +99,8 @@ def build(args, mesh=None, settings=None):
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
+    if method.kind == "dflash" and _auto_block(args):
+        method = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
     proposer, pparams = runtime.proposer_for(method, target, drafter)
     loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len), mesh)
     params = (target.params, pparams)
@@ -97,9 +113,64 @@ def build(args, mesh=None, settings=None):
     if not args.no_warmup:
         log.info("compiling prefill (buckets %s), insert and step ...", engine.buckets())
         engine.warmup()
-    served = Served(engine=engine, tokenizer=tokenizer, model_name=args.served_model_name or str(args.model or
-                    model_dir), eos_ids=tuple(cfg.eos_token_ids), speculative=method.block > 1)
+    served = Served(engine=engine, tokenizer=tokenizer, model_name=model_name(args), eos_ids=tuple(cfg.eos_token_ids),
+                    speculative=method.block > 1)
     return served, create_app(served)
+
+
+def model_name(args) -> str:
+    """The model id clients give: --served-model-name, else --model as given (vLLM's rule), else the shipped pair's."""
+    return args.served_model_name or args.model or SHIPPED_NAME
+
+
+def _auto_block(args) -> bool:
+    from dflash_jax.cli.generate import auto_block
+
+    return auto_block(args)
+
+
+def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dtype: str, mesh, model_dir):
+    """``--block-size auto``: the DFlash block (or plain decoding) with the most expected tokens/s for
+    ``--max-num-seqs`` rows, as ``generate`` chooses it (``perf.step_cost.choose``), on ``SIZING_PROMPTS``,
+    greedy; logged with its reasons."""
+    from dflash_jax.perf import step_cost
+
+    budget = max(1, max_len // 2)  # the prompts' share of the context; the rest is the sized run's new tokens
+    prompts = [runtime.encode(tokenizer, t)[:budget] for t in SIZING_PROMPTS]
+    new_tokens = min(SIZING_NEW_TOKENS, max_len - max(len(p) for p in prompts))
+    log.info("--block-size auto: timing blocks %s at %d rows (greedy, %d new tokens) ...",
+             "/".join(map(str, _candidates(drafter))), args.max_num_seqs, new_tokens)
+    choice, _ = step_cost.choose(target, drafter, prompts, batch=args.max_num_seqs, draft_dir=draft_dir,
+                                 key=(str(model_dir), str(draft_dir), dtype), max_new_tokens=new_tokens, mesh=mesh)
+    log.info("%s", choice.reason())
+    return runtime.AR if choice.block == 1 else runtime.Method("dflash", choice.block)
+
+
+def _candidates(drafter) -> tuple[int, ...]:
+    from dflash_jax.decoding import blocksize
+
+    return blocksize.candidate_blocks(drafter.cfg.block_size)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` for uvicorn (listening starts with the server), so that a port in use
+    is refused before any model loads; a one-line error naming --host/--port otherwise."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)  # claimed now: another server's bind or listen on it fails from here on
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e}); is another server "
+                         f"running there? Give another --port") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def cmd_serve(args) -> int:
@@ -109,9 +180,21 @@ def cmd_serve(args) -> int:
                         stream=sys.stderr)
     log.setLevel(logging.INFO)  # this server's notes; other libraries' (JAX's backend probing) only when warnings
     settings = _settings(args)  # every flag checked before processes are joined or weights loaded
-    _, app = build(args, cli_args.mesh_from_args(args), settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=None)
+    sock = bind(args.host, args.port)
+    try:
+        _, app = build(args, cli_args.mesh_from_args(args), settings)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=None)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
     return 0
+
+
+def _block_size_flag(text: str) -> int | None:
+    from dflash_jax.cli.generate import block_size_flag
+
+    return block_size_flag(text)
 
 
 def add_parser(sub) -> None:
@@ -121,11 +204,12 @@ def add_parser(sub) -> None:
                    "target; none with --model)")
     s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\'')
-    s.add_argument("--block-size", type=int, help="tokens per verify step (1 = plain decoding); default: the "
-                   "drafter's block size")
+    s.add_argument("--block-size", type=_block_size_flag, default=None, metavar="{auto,N}",
+                   help="tokens per verify step (1 = plain decoding); auto (the default): chosen by cost for "
+                   "--max-num-seqs rows as generate chooses it, and logged")
     s.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
-    s.add_argument("--served-model-name", help="the model name requests give (default: --model as given, else "
-                   "the shipped target's path)")
+    s.add_argument("--served-model-name", help=f"the model id requests give (default: --model as given, else "
+                   f"{SHIPPED_NAME!r})")
     s.add_argument("--max-num-seqs", type=int, default=32, help="slots: requests decoded together in one step")
     s.add_argument("--max-model-len", type=int, help=f"context per request, prompt + completion (default: the "
                    f"target's max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")

@@ -1,15 +1,18 @@
 """The OpenAI-compatible HTTP front end of the serving engine: a Starlette app, served by uvicorn.
 
-Sits on top of ``engine.py``: each request's JSON is checked (unknown fields and bad values are a 400 that
-names them), its prompt encoded (chat messages by the tokenizer's chat template; without one as raw text,
-as ``generate --chat-template auto`` encodes a prompt), and it becomes an engine ``Job`` whose tokens come
-back through an asyncio queue. The text is decoded as tokens arrive (``TextStream``), cut at the request's
-stop strings. Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (whole responses, or
-server-sent events with ``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /stats`` (the
-engine's counters). Besides OpenAI's ``usage``, a request with ``return_meta_info: true`` gets SGLang's
-``meta_info`` (``spec_verify_ct``: target verify steps; ``spec_accept_length``: completion tokens per
-verify step), which z-lab's benchmark client reads. A full queue is a 503 with ``Retry-After``; a client
-that leaves mid-request cancels its job, which frees its slot at the next step.
+Sits on top of ``engine.py``: each request's body is read up to a cap, its JSON checked (unknown fields and
+bad values are a 400 that names them; fields OpenAI and vLLM clients send are accepted at their neutral
+values and refused by name otherwise), its prompt bounded by characters and encoded (chat messages by the
+tokenizer's chat template; without one as raw text, as ``generate --chat-template auto`` encodes a prompt),
+all of it on one worker thread, never on the event loop; it becomes an engine ``Job``. The engine's thread
+decodes the text as tokens arrive (``TextStream``) and ends the job at the request's stop strings, so the
+engine's counters and the client's ``usage`` agree; text deltas come back through an asyncio queue.
+Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (whole responses, or server-sent events with
+``stream: true``), ``GET /v1/models``, ``GET /health`` and ``GET /stats`` (the engine's counters). Besides
+OpenAI's ``usage``, a request with ``return_meta_info: true`` gets SGLang's ``meta_info``
+(``spec_verify_ct``: target verify steps; ``spec_accept_length``: completion tokens per verify step), which
+z-lab's benchmark client reads. A full queue is a 503 with ``Retry-After``; a client that leaves
+mid-request (streaming or not) cancels its job, which frees its slot at the next step.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -24,6 +28,7 @@ import numbers
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,13 +41,44 @@ from dflash_jax.serve.engine import Closed, Engine, Finish, Job, QueueFull
 
 log = logging.getLogger("dflash_jax.serve")
 
-SEED_MAX = 2**31 - 1  # seeds become int32 keys
-DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # vLLM's range (a 64-bit integer); the engine keys on it modulo 2**64
+DISCONNECT_POLL_S = 0.5  # how often a streaming request checks that its client is still there
 RETRY_AFTER_S = 1
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions (clamped to the context)
+ESCAPED_BYTES_PER_CHAR = 12  # the most a JSON string spends on one character ("\\ud83d\\ude00")
+BODY_SLACK_BYTES = 2**20  # the body cap's room for everything but the prompt's characters
+REQUEST_THREADS = 4  # threads that parse and tokenize requests
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
           "user", "return_meta_info", "ignore_eos"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "parallel_tool_calls"}
 COMPLETION_FIELDS = COMMON | {"prompt"}
+
+
+def _is(value, neutral) -> bool:
+    """``value`` is ``neutral`` (None and booleans by identity, so 0 is not false; numbers by value)."""
+    if neutral is None or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(neutral, numbers.Real):
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == neutral
+    return value == neutral
+
+
+# Fields OpenAI and vLLM clients send that this server does not implement: accepted at the values that ask for
+# nothing (None always), refused by name otherwise. Name -> (neutral values, what is missing, routes).
+NEUTRAL = {
+    "logprobs": ((False,), "log-probabilities are not returned", "both"),
+    "top_logprobs": ((0,), "log-probabilities are not returned", "both"),
+    "presence_penalty": ((0,), "penalties are not supported", "both"),
+    "frequency_penalty": ((0,), "penalties are not supported", "both"),
+    "repetition_penalty": ((1,), "penalties are not supported", "both"),
+    "min_tokens": ((0,), "min_tokens is not supported", "both"),
+    "logit_bias": (({},), "logit_bias is not supported", "both"),
+    "response_format": (({"type": "text"},), "structured output is not supported", "both"),
+    "tool_choice": (("none",), "this server does not parse tool calls", "chat"),
+    "echo": ((False,), "echo is not supported", "completion"),
+    "best_of": ((1,), "best_of is not supported", "completion"),
+    "suffix": (("",), "suffix is not supported", "completion"),
+}
 
 
 class BadRequest(Exception):
@@ -67,6 +103,23 @@ class Served:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @functools.cached_property
+    def token_chars(self) -> int:
+        """The most characters one token covers: its vocabulary's longest entry (a byte-level BPE entry is one
+        character per byte, and a character is at least a byte), added tokens included."""
+        return max(1, max(len(t) for t in self.tokenizer.get_vocab()))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A prompt (the messages' contents, or the rendered chat) longer than this cannot fit the context:
+        it encodes to more than ``max_model_len`` tokens. Checked before anything is tokenized."""
+        return self.max_model_len * self.token_chars
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The request body cap: a prompt of ``max_prompt_chars`` characters, each escaped, and room for the rest."""
+        return ESCAPED_BYTES_PER_CHAR * self.max_prompt_chars + BODY_SLACK_BYTES
+
 
 @dataclasses.dataclass(frozen=True)
 class Ask:
@@ -83,10 +136,49 @@ class Ask:
     meta_info: bool
 
 
-def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                        status_code=status, headers=headers)
+def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
+    """OpenAI's error shape; ASCII-escaped JSON, so no text a client sent can make the answer itself fail."""
+    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+            503: "service_unavailable"}.get(status, "error")
+    body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
+
+
+def _surrogate(value, path: str) -> str | None:
+    """The path of the first string (key or value) in ``value`` holding a lone surrogate ("\\ud800"), which
+    JSON's escapes allow and no tokenizer or UTF-8 encoder takes; None when there is none."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{path}.{k}" if path else str(k)
+            if (hit := _surrogate(k, where) or _surrogate(v, where)) is not None:
+                return hit
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if (hit := _surrogate(v, f"{path}[{i}]")) is not None:
+                return hit
+    return None
+
+
+def _neutral(body: dict, chat: bool) -> None:
+    """Fields of ``NEUTRAL`` at anything but their neutral values: a 400 naming the first."""
+    for name, (values, missing, route) in NEUTRAL.items():
+        if name not in body or body[name] is None:
+            continue
+        if route != "both" and (route == "chat") != chat:
+            continue
+        if not any(_is(body[name], v) for v in values):
+            shown = " or ".join(json.dumps(v) for v in values)
+            raise BadRequest(f"'{name}' must be {shown} or null here ({missing}), got {json.dumps(body[name])}", name)
+    tools = body.get("tools")
+    if chat and tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRequest(f"'tools' must be a list of tool objects, got {tools!r}", "tools")
+    if chat and not isinstance(body.get("parallel_tool_calls", False), bool | None):
+        raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
 
 
 def _number(body: dict, name: str, default, *, low=None, high=None, integer=False, open_low=False):
@@ -130,10 +222,21 @@ def _message_text(message, i: int) -> str:
                      f"messages[{i}].content")
 
 
-def encode_chat(tokenizer, messages, template_kwargs: dict) -> list[int]:
-    """Token ids of a chat: rendered by the tokenizer's chat template (then encoded, special tokens as
-    rendered), or, when it has none, the messages' text joined by newlines encoded as raw text (one user
-    message: exactly what ``generate --chat-template auto`` encodes for its prompt)."""
+def _bounded(text: str, max_chars: int, max_model_len: int, field: str) -> str:
+    """``text`` unless it is too long to fit the context in any encoding (checked before tokenizing it)."""
+    if len(text) > max_chars:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+                         f"{len(text)} characters, more than {max_chars} (no token covers more than "
+                         f"{max_chars // max_model_len}; --max-model-len {max_model_len})", field)
+    return text
+
+
+def encode_chat(tokenizer, messages, template_kwargs: dict, *, max_chars: int, max_model_len: int,
+                tools: list | None = None) -> list[int]:
+    """Token ids of a chat: rendered by the tokenizer's chat template (with ``tools`` when given; then encoded,
+    special tokens as rendered), or, when it has none, the messages' text joined by newlines encoded as raw
+    text (one user message: exactly what ``generate --chat-template auto`` encodes for its prompt). More than
+    ``max_chars`` characters, in the contents or rendered, is refused before any tokenizing."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
     turns = []
@@ -141,14 +244,17 @@ def encode_chat(tokenizer, messages, template_kwargs: dict) -> list[int]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
         turns.append({"role": m["role"], "content": _message_text(m, i)})
+    _bounded("".join(t["content"] for t in turns), max_chars, max_model_len, "messages")
     if getattr(tokenizer, "chat_template", None):
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False, **template_kwargs)
+            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False, **extra,
+                                                 **template_kwargs)
         except Exception as e:  # the template's own error (jinja raises its own types): the caller's input
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
     else:
         text = "\n".join(t["content"] for t in turns)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(_bounded(text, max_chars, max_model_len, "messages"), add_special_tokens=False))
 
 
 def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
@@ -157,13 +263,17 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-        return encode_chat(tok, body.get("messages"), kwargs)
+        return encode_chat(tok, body.get("messages"), kwargs, max_chars=served.max_prompt_chars,
+                           max_model_len=served.max_model_len, tools=body.get("tools"))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return list(tok.encode(prompt, add_special_tokens=False))
+        text = _bounded(prompt, served.max_prompt_chars, served.max_model_len, "prompt")
+        return list(tok.encode(text, add_special_tokens=False))
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) >= served.max_model_len:
+            return prompt  # refused by its length, in ``parse``
         bad = [t for t in prompt if not 0 <= t < len(tok)]
         if bad:
             raise BadRequest(f"'prompt': token id {bad[0]} is outside the vocabulary 0..{len(tok) - 1}", "prompt")
@@ -175,7 +285,10 @@ def parse(served: Served, body, chat: bool) -> Ask:
     """A request body checked and turned into an ``Ask``; ``BadRequest`` names the first bad field."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    if (where := _surrogate(body, "")) is not None:
+        raise BadRequest(f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                         f"not text", where)
+    allowed = CHAT_FIELDS | set(NEUTRAL) if chat else COMPLETION_FIELDS | set(NEUTRAL)
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"unknown field '{unknown[0]}' (this server accepts: {', '.join(sorted(allowed))})",
@@ -195,6 +308,7 @@ def parse(served: Served, body, chat: bool) -> Ask:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise BadRequest(f"'stream_options' must be an object with 'include_usage', got {options!r}", "stream_options")
+    _neutral(body, chat)
     prompt = _prompt_ids(served, body, chat)
     limit, field = served.max_model_len, "messages" if chat else "prompt"
     if not prompt:
@@ -203,9 +317,9 @@ def parse(served: Served, body, chat: bool) -> Ask:
         raise BadRequest(f"This model's maximum context length is {limit} tokens; the prompt has {len(prompt)} "
                          f"tokens, leaving none to generate (--max-model-len {limit})", field)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, name, None if chat else 16, low=1, integer=True)
-    if max_tokens is None:
-        max_tokens = limit - len(prompt)
+    max_tokens = _number(body, name, None, low=1, integer=True)
+    if max_tokens is None:  # as vLLM: the rest of the context (a completion: its default 16, at most that)
+        max_tokens = limit - len(prompt) if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, limit - len(prompt))
     if len(prompt) + max_tokens > limit:
         raise BadRequest(f"This model's maximum context length is {limit} tokens; you requested "
                          f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in '{name}')", name)
@@ -217,38 +331,55 @@ def parse(served: Served, body, chat: bool) -> Ask:
                                   top_k=_number(body, "top_k", 0, low=-1, high=vocab, integer=True) % (vocab + 1))
     except ValueError as e:  # e.g. a temperature so small that logits / temperature overflows
         raise BadRequest(f"'temperature': {e}", "temperature") from None
-    seed = _number(body, "seed", None, low=0, high=SEED_MAX, integer=True)
+    seed = _number(body, "seed", None, low=SEED_MIN, high=SEED_MAX, integer=True)
     return Ask(prompt=prompt, max_tokens=max_tokens, sampling=sampling,
-               seed=int.from_bytes(os.urandom(4)) & SEED_MAX if seed is None else seed,
+               seed=int.from_bytes(os.urandom(8)) if seed is None else int(seed),
                stop=_stop_strings(body), stop_ids=() if body.get("ignore_eos") else served.eos_ids,
                stream=body.get("stream", False), include_usage=bool(options.get("include_usage")),
                meta_info=body.get("return_meta_info", False))
 
 
-@dataclasses.dataclass
-class Outcome:
-    """What a finished request reports: its tokens, text, finish reason and the engine's figures."""
+class Reader:
+    """A request's text, kept on the engine's thread: ``watch`` decodes each step's new tokens (``TextStream``)
+    and tells the engine where a stop string ends the request; ``emit`` hands the settled text and, at the
+    end, the ``Finish`` to the event loop's queue as (text delta, finish or None)."""
 
-    text: TextStream
-    finish: Finish | None = None
+    def __init__(self, tokenizer, stops: tuple[str, ...], loop: asyncio.AbstractEventLoop, queue: asyncio.Queue):
+        self.text, self.loop, self.queue, self.shown = TextStream(tokenizer, stops), loop, queue, 0
 
-    @property
-    def reason(self) -> str:
-        if self.text.stopped:
-            return "stop"
-        return {"abort": "abort", "nonfinite": "error"}.get(self.finish.reason, self.finish.reason)
+    def watch(self, tokens: list[int]) -> int | None:
+        before = len(self.text.tokens)
+        self.text.extend(tokens)
+        return len(self.text.tokens) - before if self.text.stopped else None
+
+    def emit(self, tokens: list[int], finish: Finish | None) -> None:
+        if finish is not None:
+            self.text.finish()
+        delta, self.shown = self.text.text[self.shown:self.text.settled], max(self.shown, self.text.settled)
+        if delta or finish is not None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (delta, finish))
+
+
+def _reason(finish: Finish) -> str:
+    return {"nonfinite": "error"}.get(finish.reason, finish.reason)
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancels ``job`` when the client goes (its body already read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
 
 
 async def _run(served: Served, ask: Ask, request: Request):
-    """Runs ``ask`` on the engine: yields (text delta, None) as text settles, then ("", Outcome) once."""
+    """Runs ``ask`` on the engine: yields (text delta, None) as text settles, then ("", Finish) once. A client
+    that leaves cancels the job: a whole response's client is watched for its disconnect; a stream's is
+    checked whenever ``DISCONNECT_POLL_S`` passed (and its response fails to send)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
-
-    def emit(tokens, finish):  # the engine's thread
-        loop.call_soon_threadsafe(queue.put_nowait, (tokens, finish))
-
+    reader = Reader(served.tokenizer, ask.stop, loop, queue)
     job = Job(prompt=ask.prompt, max_tokens=ask.max_tokens, sampling=ask.sampling, seed=ask.seed,
-              stop_ids=ask.stop_ids, emit=emit)
+              stop_ids=ask.stop_ids, emit=reader.emit, watch=reader.watch)
     try:
         served.engine.submit(job)
     except QueueFull as e:
@@ -256,46 +387,46 @@ async def _run(served: Served, ask: Ask, request: Request):
                          headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except Closed as e:
         raise BadRequest(str(e), status=503, headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-    out = Outcome(TextStream(served.tokenizer, ask.stop))
-    shown = 0
+    watcher = None if ask.stream else asyncio.create_task(_watch_disconnect(request, job))
+    checked = time.monotonic()
     try:
-        while out.finish is None:
+        while True:
             try:
-                tokens, finish = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                delta, finish = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
+                delta, finish = "", None
+            if ask.stream and time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     job.cancel()
-                continue
-            out.text.extend(tokens)
-            if out.text.stopped:
-                job.cancel()  # the engine frees the slot at its next step; its finish comes back as usual
-            out.finish = finish
+            if delta:
+                yield delta, None
             if finish is not None:
-                out.text.finish()
-            if out.text.settled > shown:
-                yield out.text.text[shown:out.text.settled], None
-                shown = out.text.settled
-        yield "", out
+                yield "", finish
+                return
     finally:
         job.cancel()  # no-op once finished; a client gone mid-stream (the generator closed) frees the slot
+        if watcher is not None:
+            watcher.cancel()
 
 
-def _usage(ask: Ask, out: Outcome) -> dict:
-    n = len(out.text.tokens)
-    return {"prompt_tokens": len(ask.prompt), "completion_tokens": n, "total_tokens": len(ask.prompt) + n}
+def _usage(ask: Ask, finish: Finish) -> dict:
+    return {"prompt_tokens": len(ask.prompt), "completion_tokens": finish.tokens,
+            "total_tokens": len(ask.prompt) + finish.tokens}
 
 
-def _meta_info(served: Served, ask: Ask, out: Outcome, rid: str) -> dict:
+def _meta_info(served: Served, ask: Ask, finish: Finish, rid: str) -> dict:
     """SGLang's meta_info: the token counts, the finish reason and, when speculating, the acceptance figures
-    (``spec_accept_length`` = completion tokens / verify steps, as SGLang reports it)."""
-    n, steps = len(out.text.tokens), out.finish.steps
+    (``spec_accept_length`` = completion tokens / verify steps, as SGLang reports it), all counted up to the
+    token that ended the request."""
+    n, steps = finish.tokens, finish.steps
     meta = {"id": rid, "prompt_tokens": len(ask.prompt), "completion_tokens": n,
-            "finish_reason": {"type": out.reason}}
+            "finish_reason": {"type": _reason(finish)}}
     if served.speculative:
         drafts = steps * (served.engine.loop.spec.block_size - 1)
         meta.update(spec_verify_ct=steps, spec_accept_length=n / steps if steps else 0.0,
-                    spec_accept_rate=out.finish.accepted / drafts if drafts else 0.0,
-                    spec_accept_token_num=out.finish.accepted, spec_draft_token_num=drafts)
+                    spec_accept_rate=finish.accepted / drafts if drafts else 0.0,
+                    spec_accept_token_num=finish.accepted, spec_draft_token_num=drafts)
     return meta
 
 
@@ -303,15 +434,39 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
 
 
+async def _body(request: Request, cap: int) -> bytes:
+    """The request's body, refused (413) once it is over ``cap`` bytes: by its Content-Length, else as it arrives."""
+    length = request.headers.get("content-length", "")
+    too_big = BadRequest(f"the request body is over {cap} bytes (the most a prompt that fits --max-model-len "
+                         f"{request.app.state.served.max_model_len} can take)", status=413)
+    if length.isdigit() and int(length) > cap:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse_body(served: Served, raw: bytes, chat: bool) -> Ask:
+    """The body's JSON checked and its prompt encoded (on the request worker thread)."""
+    try:
+        body = json.loads(raw)
+        return parse(served, body, chat)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # json.loads, or the walk over what it built
+        raise BadRequest("the request body is nested too deeply") from None
+
+
 async def _complete(request: Request, chat: bool) -> Response:
     served: Served = request.app.state.served
     try:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        ask = parse(served, body, chat)
+        raw = await _body(request, served.max_body_bytes)
+        ask = await asyncio.get_running_loop().run_in_executor(request.app.state.worker, _parse_body, served, raw,
+                                                               chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         events = _run(served, ask, request)
@@ -321,42 +476,46 @@ async def _complete(request: Request, chat: bool) -> Response:
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": served.model_name}
 
-    def choice(text: str, reason: str | None, final: bool = True) -> dict:
-        if chat:
-            key = "message" if final else "delta"
-            return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": reason,
-                    "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-
     if not ask.stream:
-        parts, out = [], None
+        parts, finish = [], None
         async for delta, done in _chain(first, events):
             parts.append(delta)
-            out = done or out
-        reply = {**head, "choices": [choice("".join(parts), out.reason)], "usage": _usage(ask, out)}
+            finish = done or finish
+        text = "".join(parts)
+        reply = {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                      "finish_reason": _reason(finish), "logprobs": None} if chat else
+                                     {"index": 0, "text": text, "finish_reason": _reason(finish), "logprobs": None}],
+                 "usage": _usage(ask, finish)}
         if ask.meta_info:
-            reply["meta_info"] = _meta_info(served, ask, out, rid)
+            reply["meta_info"] = _meta_info(served, ask, finish, rid)
         return JSONResponse(reply)
 
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
+    def chunk(text: str | None, reason: str | None, role: bool = False) -> dict:
+        """One streamed choice: chat deltas carry the role in the first chunk only, and no content at the end."""
+        if not chat:
+            return {**chunk_head, "choices": [{"index": 0, "text": text or "", "finish_reason": reason,
+                                               "logprobs": None}]}
+        delta = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {**chunk_head, "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]}
+
     async def sse():
         if chat:
-            yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "finish_reason": None, "logprobs": None}]})
-        async for delta, out in _chain(first, events):
-            if out is None:
+            yield _sse(chunk("", None, role=True))
+        async for delta, finish in _chain(first, events):
+            if finish is None:
                 if delta:
-                    yield _sse({**chunk_head, "choices": [choice(delta, None, final=False)]})
+                    yield _sse(chunk(delta, None))
                 continue
-            last = {**chunk_head, "choices": [choice(delta, out.reason, final=False)]}
-            if chat:
-                last["choices"][0]["delta"] = {}
+            last = chunk(None if chat else "", _reason(finish))
             if ask.meta_info:
-                last["meta_info"] = _meta_info(served, ask, out, rid)
+                last["meta_info"] = _meta_info(served, ask, finish, rid)
             yield _sse(last)
             if ask.include_usage:
-                yield _sse({**chunk_head, "choices": [], "usage": _usage(ask, out)})
+                yield _sse({**chunk_head, "choices": [], "usage": _usage(ask, finish)})
         yield _sse("[DONE]")
 
     return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -397,6 +556,7 @@ def create_app(served: Served) -> Starlette:
         served.engine.start()
         yield
         await asyncio.to_thread(served.engine.close, True)
+        app.state.worker.shutdown(wait=False)
 
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -406,4 +566,8 @@ def create_app(served: Served) -> Starlette:
         Route("/stats", stats, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.served = served
+    # every request's JSON and tokenizing, off the event loop, on a few threads (a fast tokenizer's encode
+    # only reads its settings when they are unchanged, so encodes may overlap; a prompt is at most
+    # ``max_prompt_chars`` characters, so no request holds a thread long)
+    app.state.worker = ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="dflash-jax-requests")
     return app

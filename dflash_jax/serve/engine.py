@@ -40,21 +40,28 @@ class Closed(Exception):
     """The engine takes no new requests (it is draining for shutdown)."""
 
 
+FINISHED_KEPT = 1024  # /stats keeps the records of this many most recent finished requests
+
+
 @dataclasses.dataclass(frozen=True)
 class Finish:
     """How a request ended: ``reason`` "stop" (a stop id or string), "length" (max_tokens), "abort"
-    (cancelled: its client left) or "nonfinite" (the target's logits had no finite peak); ``steps``:
-    target verify steps it took part in; ``accepted``: drafts the target accepted over them."""
+    (cancelled: its client left) or "nonfinite" (the target's logits had no finite peak); ``tokens``: the
+    completion's tokens (up to the one that ended it); ``steps``: target verify steps it took to emit them;
+    ``accepted``: drafts the target accepted among them."""
 
     reason: str
+    tokens: int
     steps: int
     accepted: int
 
 
 @dataclasses.dataclass(eq=False)
 class Job:
-    """One request: a token-id prompt and its settings. ``emit(tokens, finish)`` is called from the engine's
-    thread with each step's new tokens, and once with ``finish`` set (then never again)."""
+    """One request: a token-id prompt and its settings (``seed``: any 64-bit integer). ``emit(tokens, finish)``
+    is called from the engine's thread with each step's new tokens, and once with ``finish`` set (then never
+    again). ``watch(tokens)``, when given, sees the same new tokens first (engine thread) and may end the
+    request by its caller's own rule (a stop string): it returns how many of them to keep, or None."""
 
     prompt: list[int]
     max_tokens: int
@@ -62,40 +69,56 @@ class Job:
     seed: int
     stop_ids: tuple[int, ...]
     emit: Callable[[list[int], Finish | None], None]
+    watch: Callable[[list[int]], int | None] | None = None
     cancelled: bool = False  # set by the caller (e.g. its client disconnected); the engine frees the slot
     slot: int = -1
     sent: int = 0  # tokens handed to emit so far
+    marks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # per step: (tokens out, steps,
+    # accepted drafts) of its row, cumulative: which steps and drafts the first n tokens took (``figures``)
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    def figures(self, n: int) -> tuple[int, int]:
+        """(verify steps, accepted drafts) that emitted the first ``n`` tokens: a step that emitted a drafts and
+        the bonus, cut after its k-th token, counts min(a, k) of them (none after a stop or max_tokens)."""
+        tokens = accepted = 0
+        for out, steps, total in self.marks:
+            if out >= n:
+                return steps, accepted + min(total - accepted, n - tokens)
+            tokens, accepted = out, total
+        return (self.marks[-1][1], accepted) if self.marks else (0, 0)
 
 
 @dataclasses.dataclass
 class Stats:
     """The engine's own counters (``Engine.stats`` copies them): finished requests, their tokens and verify
-    steps, engine steps, and a record per finished request (completion tokens, verify steps, reason)."""
+    steps, engine steps, and a record per finished request (completion tokens, verify steps, reason) for the
+    last ``FINISHED_KEPT`` of them (``requests`` counts them all)."""
 
     requests: int = 0
     completion_tokens: int = 0
     verify_steps: int = 0
     accepted_drafts: int = 0
     engine_steps: int = 0
-    finished: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
+    finished: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=FINISHED_KEPT))
 
 
 class Engine:
     """Continuous batching of ``loop`` (a ``SpeculativeLoop`` whose spec has ``capacity`` and no stop ids:
     ``Engine.spec_for`` builds it) over ``slots`` rows with ``params`` = (target params, proposer params).
 
-    ``submit`` queues a ``Job`` (at most ``max_queue`` waiting, else ``QueueFull``); ``start`` runs the
-    engine's thread; ``close`` stops taking requests and, with ``drain``, finishes every accepted one first.
+    ``submit`` queues a ``Job`` (at most ``max_queue`` waiting, else ``QueueFull``); ``stats`` keeps the records
+    of the last ``keep`` finished requests; ``start`` runs the engine's thread; ``close`` stops taking requests
+    and, with ``drain``, finishes every accepted one first.
     """
 
-    def __init__(self, loop: SpeculativeLoop, params, *, slots: int, max_model_len: int, max_queue: int):
+    def __init__(self, loop: SpeculativeLoop, params, *, slots: int, max_model_len: int, max_queue: int,
+                 keep: int = FINISHED_KEPT):
         if slots < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {slots}")
         if max_queue < 1:
-            raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
+            raise ValueError(f"--max-queue-len must be >= 1, got {max_queue}")
         self.loop, self.params, self.slots = loop, params, slots
         self.max_model_len, self.max_queue = max_model_len, max_queue
         self._pending: collections.deque[Job] = collections.deque()
@@ -104,7 +127,7 @@ class Engine:
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._stats = Stats()
+        self._stats = Stats(finished=collections.deque(maxlen=keep))
         self.state = self._empty_state()
 
     @staticmethod
@@ -122,14 +145,15 @@ class Engine:
         return out + [bucket_limit(self.max_model_len)]
 
     def _prefill(self, prompt: list[int], sampling: SamplingConfig, seed: int) -> LoopState:
-        """A one-row state of ``prompt`` padded to its bucket: the first token chosen with its own settings."""
+        """A one-row state of ``prompt`` padded to its bucket: the first token chosen with its own settings and
+        ``seed`` (``seed_key``: a seed under 2**31 draws as ``generate --seed`` does)."""
         bucket = min(bucket_for(len(prompt)), bucket_limit(self.max_model_len))
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :len(prompt)] = prompt
         lens = np.array([len(prompt)], np.int32)
         if self.loop.mesh is not None:
             tokens, lens = parallel.shard_rows(self.loop.mesh, tokens, lens)
-        return self.loop.init(self.params, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seed, jnp.int32),
+        return self.loop.init(self.params, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seed_key(seed)),
                               RowSampling.of([sampling]))
 
     def _empty_state(self) -> LoopState:
@@ -170,7 +194,7 @@ class Engine:
             if self._closing:
                 raise Closed("the server is shutting down")
             if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"{len(self._pending)} requests are waiting (--max-queue {self.max_queue})")
+                raise QueueFull(f"{len(self._pending)} requests are waiting (--max-queue-len {self.max_queue})")
             self._pending.append(job)
             self._cond.notify()
         return job
@@ -178,9 +202,9 @@ class Engine:
     def stats(self) -> dict:
         """The counters, and the slots and queue now."""
         with self._cond:
-            s = dataclasses.replace(self._stats, finished=list(self._stats.finished))
-            return dict(dataclasses.asdict(s), active=len(self._active), waiting=len(self._pending),
-                        slots=self.slots)
+            s = dataclasses.replace(self._stats, finished=list(self._stats.finished))  # asdict copies it
+            return dict(dataclasses.asdict(s), finished_kept=self._stats.finished.maxlen, active=len(self._active),
+                        waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dflash-jax-engine", daemon=True)
@@ -211,7 +235,7 @@ class Engine:
                 self._pending.clear()
                 self._active.clear()
             for job in jobs:
-                job.emit([], Finish("abort", 0, 0))
+                job.emit([], Finish("abort", job.sent, *job.figures(job.sent)))
 
     def _iterate(self) -> bool:
         """Admits waiting requests into free slots, hands out what the last step emitted, steps; False once
@@ -225,7 +249,7 @@ class Engine:
             while self._pending and self._free:
                 job = self._pending.popleft()
                 if job.cancelled:
-                    self._finish(job, Finish("abort", 0, 0))
+                    self._finish(job, Finish("abort", 0, 0, 0))
                     continue
                 job.slot = self._free.pop()
                 admit.append(job)
@@ -235,34 +259,37 @@ class Engine:
             with self._cond:
                 self._active[job.slot] = job
         n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
-        done = np.zeros(self.slots, bool)
         block = self.loop.spec.block_size
+        drafts = (accepted * np.arange(block)).sum(-1)  # [slots] drafts each row's steps accepted
+        done = np.zeros(self.slots, bool)
         for slot, job in list(self._active.items()):
-            start = max(int(n_out[slot]) - block, 0)
-            new = window[slot, job.sent - start:int(n_out[slot]) - start].tolist()
+            out = int(n_out[slot])
+            if not job.marks or out > job.marks[-1][0]:
+                job.marks.append((out, int(steps[slot]), int(drafts[slot])))
+            start = max(out - block, 0)
+            new = window[slot, job.sent - start:out - start].tolist()
             reason = None
             stops = [i for i, t in enumerate(new) if t in job.stop_ids]
             if stops:
                 new, reason = new[:stops[0] + 1], "stop"
             if job.sent + len(new) >= job.max_tokens:
                 new, reason = new[:job.max_tokens - job.sent], reason or "length"
+            if new and job.watch is not None and (keep := job.watch(new)) is not None:
+                new, reason = new[:keep], "stop"  # the caller's stop string ends at its keep-th token
             if reason is None and finish[slot] == FinishReason.NONFINITE:
                 reason = "nonfinite"
             if reason is None and job.cancelled:
                 reason = "abort"
             job.sent += len(new)
-            if reason is None:
-                if new:
-                    job.emit(new, None)
-                continue
-            a = int((accepted[slot] * np.arange(block)).sum())
             if new:
                 job.emit(new, None)
+            if reason is None:
+                continue
             done[slot] = True
             with self._cond:
                 del self._active[slot]
                 self._free.append(slot)
-                self._finish(job, Finish(reason, int(steps[slot]), a))
+                self._finish(job, Finish(reason, job.sent, *job.figures(job.sent)))
         if done.any():
             self.state = self._free_rows(self.state, done)
         if self._active:
@@ -274,11 +301,18 @@ class Engine:
         """Counts a finished request and tells its caller (``self._cond`` held)."""
         s = self._stats
         s.requests += 1
-        s.completion_tokens += job.sent
+        s.completion_tokens += finish.tokens
         s.verify_steps += finish.steps
         s.accepted_drafts += finish.accepted
-        s.finished.append((job.sent, finish.steps, finish.reason))
+        s.finished.append((finish.tokens, finish.steps, finish.reason))
         job.emit([], finish)
+
+
+def seed_key(seed: int) -> np.ndarray:
+    """Raw threefry key data [2] uint32 of a 64-bit ``seed`` (taken modulo 2**64): (high word, low word), the key
+    ``jax.random.key(seed)`` makes with 64-bit integers on, so a seed under 2**31 gives ``generate --seed``'s."""
+    seed %= 2**64
+    return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
 
 
 def bucket_limit(max_model_len: int) -> int:

@@ -1,8 +1,12 @@
-"""The HTTP server on the shipped pair, driven by the official ``openai`` client and by raw HTTP (httpx):
-the OpenAI shapes (whole and streamed), the per-request settings, and the faults (bad JSON, unknown
-fields, a prompt over the context, a full queue, a client that leaves mid-stream, many clients at once)."""
+"""The HTTP server on the shipped pair, driven by the official ``openai`` client and by raw HTTP (httpx, sockets):
+the OpenAI shapes (whole and streamed), the per-request settings, vLLM's neutral fields, and the faults (bad
+JSON, unknown fields, a prompt over the context, a body over the cap, a lone surrogate, a full queue, a client
+that leaves mid-stream or mid-request, many clients at once), the counters against what clients were told, and
+the load generator of ``serve-bench`` against it. One server for the module."""
 
 import json
+import logging
+import socket
 import threading
 import time
 
@@ -12,6 +16,7 @@ import openai
 import pytest
 from serve_fixtures import running
 
+from dflash_jax.cli import main
 from dflash_jax.decoding import runtime
 from dflash_jax.perf import serve_load
 
@@ -38,6 +43,13 @@ def _post(server, path, body, **kw):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(server.base_url + path, content=content, timeout=TIMEOUT_S,
                       headers={"Content-Type": "application/json"}, **kw)
+
+
+def _new_records(before, after):
+    """The /stats records of the requests that finished between two readings (the list keeps the last ones)."""
+    n = after["requests"] - before["requests"]
+    assert n <= after["finished_kept"]
+    return after["finished"][len(after["finished"]) - n:]
 
 
 def _wait_idle(server):
@@ -101,6 +113,7 @@ def test_seeded_sampling_reproducible_over_http(server, client):
 
 @pytest.mark.parametrize("body, status, needle", [
     (b'{"prompt": "x", ', 400, "not valid JSON"),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nested too deeply"),
     ({"prompt": "x", "max_tokens": 2, "frobnicate": 1}, 400, "unknown field 'frobnicate'"),
     ({"prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be an integer >= 1"),
     ({"prompt": "x", "temperature": -1}, 400, "'temperature' must be a number >= 0"),
@@ -148,7 +161,8 @@ def test_full_queue_is_503_with_retry_after_and_the_rest_complete(server):
     busy = [r for r in results if r.status_code == 503]
     ok = [r for r in results if r.status_code == 200]
     assert len(busy) + len(ok) == n and busy and len(ok) >= SLOTS
-    assert all(r.headers["Retry-After"] == "1" and "--max-queue" in r.json()["error"]["message"] for r in busy)
+    assert all(r.headers["Retry-After"] == "1" and "(--max-queue-len 2)" in r.json()["error"]["message"]
+               for r in busy)
     assert all(r.json()["usage"]["completion_tokens"] == 60 for r in ok)
 
 
@@ -196,9 +210,9 @@ def test_load_generator_counts_what_the_server_served(server):
     before = _wait_idle(server)
     out = serve_load.run(server.base_url, "tiny", [PROMPT, PROMPT + "    "], concurrency=2, max_tokens=6)
     after = _wait_idle(server)
-    assert out["requests"] == 2
+    assert out["requests"] == 2 and out["failed"] == 0
     assert out["output_tokens"] == after["completion_tokens"] - before["completion_tokens"]
-    records = after["finished"][len(before["finished"]):]
+    records = _new_records(before, after)
     assert out["accept_length"] == pytest.approx(np.mean([n / s for n, s, _ in records]), abs=1e-3)
     assert 0 < out["ttft_ms_p50"] <= out["ttft_ms_p99"] and 0 < out["tpot_ms_p50"] <= out["tpot_ms_p99"]
 
@@ -207,3 +221,254 @@ def test_percentile_is_numpys_linear():
     values = list(np.random.default_rng(0).exponential(size=37))
     for q in (0, 50, 90, 99, 100):
         assert serve_load.percentile(values, q) == pytest.approx(np.percentile(values, q))
+
+
+# -- the server survives its clients --
+
+def _health_ms(server, until: threading.Event, out: list):
+    """Times GET /health (ms) over and over until ``until`` is set."""
+    while not until.is_set():
+        t = time.perf_counter()
+        assert httpx.get(server.base_url + "/health", timeout=TIMEOUT_S).status_code == 200
+        out.append(1000 * (time.perf_counter() - t))
+        time.sleep(0.02)
+
+
+def test_huge_bodies_and_prompts_are_refused_before_tokenizing(server, monkeypatch):
+    """A 5 MB prompt is a 413 once the body passes the cap, /health answering meanwhile; a prompt under the cap
+    but over the characters any prompt that fits can have is a 400 without the tokenizer being called."""
+    served = server.served
+    calls = []
+    encode = served.tokenizer.encode
+    monkeypatch.setattr(served.tokenizer, "encode", lambda *a, **k: calls.append(1) or encode(*a, **k))
+    stop, health = threading.Event(), []
+    poller = threading.Thread(target=_health_ms, args=(server, stop, health))
+    poller.start()
+    try:
+        huge = _post(server, "/v1/completions", {"prompt": "def f():\n" * 550_000, "max_tokens": 4})  # 5 MB
+    finally:
+        stop.set()
+        poller.join(TIMEOUT_S)
+    assert huge.status_code == 413, huge.text
+    assert f"over {served.max_body_bytes} bytes" in huge.json()["error"]["message"]
+    assert health and max(health) < 1000, health
+    over = "x" * (served.max_prompt_chars + 1)
+    for path, body in (("/v1/completions", {"prompt": over}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": over}]})):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and f"more than {served.max_prompt_chars}" in r.json()["error"]["message"]
+    assert not calls  # refused by length before any tokenizing
+    assert _post(server, "/v1/completions", {"prompt": "x" * 20, "max_tokens": 1}).status_code == 200 and calls
+
+
+def test_a_slow_tokenize_blocks_neither_health_nor_another_clients_stream(server, monkeypatch):
+    """Tokenizing runs on the request threads: while one request's prompt takes seconds to encode, /health
+    answers at once and another client's stream runs to its end."""
+    tok, encode = server.served.tokenizer, server.served.tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(text, *a, **k):
+        if text.startswith("SLOW"):
+            entered.set()
+            release.wait(TIMEOUT_S)
+        return encode(text, *a, **k)
+
+    monkeypatch.setattr(tok, "encode", slow)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(r=_post(server, "/v1/completions",
+                                                              {"prompt": "SLOW " + PROMPT, "max_tokens": 2})))
+    t.start()
+    try:
+        assert entered.wait(TIMEOUT_S)
+        start = time.perf_counter()
+        assert httpx.get(server.base_url + "/health", timeout=TIMEOUT_S).status_code == 200
+        health_s = time.perf_counter() - start
+        body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=TIMEOUT_S) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert not result  # the slow request is still tokenizing: nothing waited for it
+        assert health_s < 1.0
+    finally:
+        release.set()
+        t.join(TIMEOUT_S)
+    assert result["r"].status_code == 200
+
+
+def test_a_whole_response_client_that_leaves_frees_its_slot(server):
+    """A non-streaming client that disconnects (as a client timing out does) cancels its request: the slot is
+    free long before max_tokens, and the record says abort."""
+    before = _wait_idle(server)
+    max_tokens = MAX_LEN - 20
+    body = json.dumps({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 1.0, "seed": 5,
+                       "ignore_eos": True}).encode()
+    host, port = server.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + TIMEOUT_S
+        while not server.engine.stats()["active"]:  # running: the client leaves now
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    after = _wait_idle(server)
+    (record,) = _new_records(before, after)
+    tokens, _, reason = record
+    assert reason == "abort" and tokens < max_tokens // 2, record
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"prompt": "def \\ud800(x):", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"], "max_tokens": 2}', "stop[0]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "messages[0].content[0].text"),
+])
+def test_a_lone_surrogate_is_a_400_without_a_traceback(server, path, body, param):
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("uvicorn.error", "uvicorn", "dflash_jax.serve", "")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        r = _post(server, path, body)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and "surrogate" in error["message"]
+    assert not records, [rec.getMessage() for rec in records]
+
+
+def test_a_stop_string_is_counted_as_stop_up_to_the_token_that_completed_it(server, client):
+    """/stats records a stop-string finish as stop, with the client's completion_tokens, and meta_info's
+    verify steps and accepted drafts count nothing after that token (each step emits its accepted drafts and a
+    bonus, so the last one kept may end inside a step's drafts)."""
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=60, temperature=0,
+              extra_body={"ignore_eos": True, "return_meta_info": True})
+    full = client.completions.create(**kw)
+    text = full.choices[0].text
+    fmeta = full.model_extra["meta_info"]
+    checked = 0
+    for cut in range(8, 40, 7):
+        stop = text[cut:cut + 2]
+        if text.find(stop) != cut:
+            continue
+        before = _wait_idle(server)
+        out = client.completions.create(stop=[stop], **kw)
+        after = _wait_idle(server)
+        meta, n = out.model_extra["meta_info"], out.usage.completion_tokens
+        assert out.choices[0].text == text[:cut] and out.choices[0].finish_reason == "stop"
+        assert _new_records(before, after) == [(n, meta["spec_verify_ct"], "stop")]
+        assert after["completion_tokens"] - before["completion_tokens"] == n < full.usage.completion_tokens
+        assert after["accepted_drafts"] - before["accepted_drafts"] == meta["spec_accept_token_num"]
+        steps, accepted = meta["spec_verify_ct"], meta["spec_accept_token_num"]
+        assert 1 <= steps <= fmeta["spec_verify_ct"] and n - 1 - steps <= accepted <= n - steps
+        checked += 1
+    assert checked >= 2
+
+
+def test_stats_bounds_its_list_of_records(server):
+    stats = server.engine.stats()
+    assert stats["finished_kept"] == 1024 and len(stats["finished"]) <= 1024
+    assert stats["block_size"] == 8 and stats["slots"] == SLOTS
+
+
+# -- as vLLM users meet it --
+
+NEUTRAL_CHAT = {"logprobs": False, "top_logprobs": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+                "repetition_penalty": 1, "logit_bias": {}, "response_format": {"type": "text"}, "min_tokens": 0,
+                "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}],
+                "tool_choice": "none", "parallel_tool_calls": False}
+
+
+def test_neutral_fields_are_accepted_as_vllm_accepts_them(server):
+    chat = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = _post(server, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    r = _post(server, "/v1/chat/completions", {**chat, **NEUTRAL_CHAT})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == want
+    r = _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "echo": False, "best_of": 1,
+                                          "logprobs": None, "suffix": None, "presence_penalty": 0})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("/v1/chat/completions", "logprobs", True),
+    ("/v1/completions", "logprobs", 0),  # vLLM returns the sampled token's log-probability for 0
+    ("/v1/chat/completions", "presence_penalty", 0.5),
+    ("/v1/completions", "frequency_penalty", -1),
+    ("/v1/chat/completions", "logit_bias", {"5": 100}),
+    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+    ("/v1/chat/completions", "tool_choice", "auto"),
+    ("/v1/completions", "echo", True),
+    ("/v1/completions", "best_of", 2),
+])
+def test_other_values_of_those_fields_are_refused_by_name(server, path, field, value):
+    body = {"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]}
+    r = _post(server, path, {**body, "max_tokens": 2, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert f"'{field}' must be" in r.json()["error"]["message"]
+
+
+def test_64_bit_seeds_reproduce(server, client):
+    kw = dict(model="tiny", prompt=PROMPT, max_tokens=12, temperature=1.0, extra_body={"ignore_eos": True})
+    for seed in (2**63 - 1, -(2**63), 2**40 + 3):
+        a = client.completions.create(seed=seed, **kw).choices[0].text
+        assert client.completions.create(seed=seed, **kw).choices[0].text == a
+    assert _post(server, "/v1/completions", {"prompt": "x", "seed": 2**63}).json()["error"]["param"] == "seed"
+
+
+def test_role_only_in_the_first_streamed_delta(server):
+    body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions", json=body, timeout=TIMEOUT_S) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert deltas[0] == {"role": "assistant", "content": ""} and len(deltas) > 2
+    assert all("role" not in d for d in deltas[1:]) and deltas[-1] == {}
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_completion_without_max_tokens_is_clamped_to_the_context(server):
+    tok = server.served.tokenizer
+    ids = (runtime.encode(tok, PROMPT) * MAX_LEN)[:MAX_LEN - 5]
+    r = _post(server, "/v1/completions", {"prompt": ids, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 5  # the context's rest, under the default 16
+    short = _post(server, "/v1/completions", {"prompt": PROMPT, "ignore_eos": True}).json()
+    assert short["usage"]["completion_tokens"] == 16  # OpenAI's and vLLM's default
+    r = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 6})  # asked for: still refused
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+# -- serve-bench's load generator and command against the server --
+
+def test_load_generator_retries_503s_after_retry_after_and_keeps_its_figures(server):
+    before = _wait_idle(server)
+    n = 3 * (SLOTS + QUEUE)
+    out = serve_load.run(server.base_url, "tiny", [PROMPT] * n, concurrency=n, max_tokens=24)
+    after = _wait_idle(server)
+    assert out["failed"] == 0 and out["requests"] == n and out["retries"] >= 1, out
+    assert out["output_tokens"] == after["completion_tokens"] - before["completion_tokens"]
+    capped = serve_load.run(server.base_url, "tiny", [PROMPT] * n, concurrency=n, max_tokens=24, max_retries=0)
+    assert capped["failed"] >= 1 and capped["requests"] == n - capped["failed"] and capped["retries"] == 0
+    assert "HTTP 503 after 0 retries" in capped["errors"][0] and capped["tokens_per_s"] > 0
+
+
+def test_serve_bench_command(server, tmp_path, capsys):
+    url = server.base_url
+    assert main(["serve-bench", "--server", f"a={url}", "--server", f"a={url}"]) == 2
+    assert "the label 'a' is given twice" in capsys.readouterr().err
+    assert main(["serve-bench", "--server", f"a={url}", "--concurrency", "0"]) == 2
+    assert "--concurrency: every value must be >= 1" in capsys.readouterr().err
+    out, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
+    assert main(["serve-bench", "--server", f"a={url}", "--concurrency", "1,6", "--num-prompts", "6",
+                 "--max-tokens", "4", "--rounds", "1", "--prompts", str(prompts), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["server"], r["concurrency"], r["failed"]) for r in rows] == [("a", 1, 0), ("a", 6, 0)]
+    assert rows[1]["rounds"][0]["requests"] == 6  # 6 at once over 2 slots and a queue of 2: any 503 retried
+    assert rows[1]["retries"] == rows[1]["rounds"][0]["retries"]
+    assert "| a | 6 |" in capsys.readouterr().out

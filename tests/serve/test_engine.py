@@ -20,6 +20,7 @@ BLOCK = 8
 SLOTS = 8
 MAX_LEN = 64  # buckets 16, 32, 64
 REQUESTS = 32  # each served among 31 others
+NEW = 32  # new tokens per request of the watch test
 WAIT_S = 600  # a bound on one test's serving, far above its need
 
 _compiles = {"on": False, "n": 0}
@@ -51,10 +52,10 @@ def prompts():
     return [runtime.encode(tok, t)[:rng.randint(5, 30)] for t in texts]
 
 
-def _engine(pair, max_queue=REQUESTS):
+def _engine(pair, max_queue=REQUESTS, keep=1024):
     target, proposer, pparams = pair
     loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
-    return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue)
+    return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue, keep=keep)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +135,63 @@ def test_seeded_sampling_is_reproducible_and_equals_generate_alone(engine, pair,
     assert other_seed != alone  # the seed matters
 
 
+def test_a_watch_ends_a_request_and_counts_steps_and_drafts_up_to_its_token(engine, prompts):
+    """A caller's ``watch`` (the server's stop strings) cuts a request inside a step's tokens: its Finish and the
+    counters count the tokens up to the cut, the steps that emitted them, and the drafts among them only."""
+    def serve(prompt, watch=None):
+        emitted, done = [], threading.Event()
+        result = {}
+
+        def emit(tokens, finish):
+            if tokens:
+                emitted.append(list(tokens))
+            if finish is not None:
+                result["finish"] = finish
+                done.set()
+
+        engine.submit(Job(prompt=prompt, max_tokens=NEW, sampling=SamplingConfig(), seed=0, stop_ids=(), emit=emit,
+                          watch=watch))
+        assert done.wait(WAIT_S)
+        return emitted, result["finish"]
+
+    checked = 0
+    for prompt in prompts[:6]:  # at most 30 tokens: NEW more fit MAX_LEN
+        full, finish = serve(prompt)  # emitted[0]: the prefill's token; emitted[i]: step i's accepted drafts + bonus
+        assert finish.reason == "length" and finish.steps == len(full) - 1
+        whole = sum(len(e) - 1 for e in full[1:])  # the last step, cut at max_tokens, may end inside its drafts
+        assert whole <= finish.accepted <= whole + 1
+        step = next((i for i, e in enumerate(full) if i and len(e) >= 3 and sum(map(len, full[:i + 1])) < NEW), None)
+        if step is None:
+            continue
+        for k in (1, len(full[step]) - 1):  # cut after the step's first draft, and before its bonus
+            target = sum(map(len, full[:step])) + k
+            seen = []
+
+            def watch(tokens, target=target, seen=seen):
+                seen.extend(tokens)
+                return len(tokens) - (len(seen) - target) if len(seen) >= target else None
+
+            before = engine.stats()
+            cut, finish = serve(prompt, watch)
+            after = engine.stats()
+            assert sum(cut, []) == sum(full, [])[:target]
+            want_accepted = sum(len(e) - 1 for e in full[1:step]) + min(len(full[step]) - 1, k)
+            assert (finish.reason, finish.tokens, finish.steps, finish.accepted) == ("stop", target, step,
+                                                                                     want_accepted)
+            assert after["finished"][-1] == (target, step, "stop")
+            assert after["accepted_drafts"] - before["accepted_drafts"] == want_accepted
+            checked += 1
+    assert checked >= 2
+
+
 def test_bounded_queue_and_close(pair, prompts):
-    eng = _engine(pair, max_queue=2)  # not started: nothing leaves the queue
+    eng = _engine(pair, max_queue=2, keep=1)  # not started: nothing leaves the queue
     finished = []
     jobs = [Job(prompt=prompts[i], max_tokens=3, sampling=SamplingConfig(), seed=0, stop_ids=(0,),
                 emit=lambda t, f: f and finished.append(f)) for i in range(3)]
     eng.submit(jobs[0])
     eng.submit(jobs[1])
-    with pytest.raises(QueueFull, match="--max-queue 2"):
+    with pytest.raises(QueueFull, match="--max-queue-len 2"):
         eng.submit(jobs[2])
     with pytest.raises(ValueError, match="--max-model-len 64"):
         eng.submit(Job(prompt=[5] * MAX_LEN, max_tokens=1, sampling=SamplingConfig(), seed=0, stop_ids=(),
@@ -149,5 +199,8 @@ def test_bounded_queue_and_close(pair, prompts):
     eng.start()
     eng.close(drain=True, timeout=WAIT_S)  # the accepted requests are finished first
     assert [f.reason for f in finished] == ["length", "length"]
+    stats = eng.stats()  # the record list keeps the last one; the counters count both
+    assert stats["requests"] == 2 and stats["completion_tokens"] == 6
+    assert stats["finished"] == [(3, finished[1].steps, "length")] and stats["finished_kept"] == 1
     with pytest.raises(Closed):
         eng.submit(jobs[2])

@@ -23,7 +23,7 @@ SLOTS = 8
 @pytest.fixture(scope="module")
 def server():
     with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len", "64",
-                 "--no-warmup", "--served-model-name", "tiny") as r:
+                 "--block-size", "16", "--no-warmup", "--served-model-name", "tiny") as r:
         yield r
 
 
@@ -65,7 +65,8 @@ def test_zlab_client_figures_match_the_servers_counters(server, monkeypatch, con
         benchmark.run(args)
     printed = dict(re.findall(r"^([A-Za-z ]+):\s+([\d.,]+)", out.getvalue(), re.M))
     (t0, before), (t1, after) = out.marks["start"], out.marks["end"]
-    timed = after["finished"][len(before["finished"]):]  # (completion tokens, verify steps, reason) per request
+    n = after["requests"] - before["requests"]  # /stats keeps the last finished_kept records
+    timed = after["finished"][len(after["finished"]) - n:]  # (completion tokens, verify steps, reason) per request
     assert len(timed) == prompts == int(printed["Num prompts"]) and int(printed["Concurrency"]) == concurrency
     tokens = int(printed["Output tokens"])
     assert tokens == sum(n for n, _, _ in timed) == after["completion_tokens"] - before["completion_tokens"]
