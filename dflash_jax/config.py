@@ -521,6 +521,7 @@ class TargetConfig:
 # The DFlash drafter (z-lab's config.json)
 
 DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -557,6 +558,19 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash2 (z-lab's ``DFlash2DraftModel``): all four set, or none (a DFlash drafter). Each layer's
+    # attention and MLP are wrapped in grouped dynamic causal convolutions of conv_kernel_size taps, one
+    # dynamic kernel per conv_group_size channels; the candidate selector rescores the drafter's top
+    # selector_top_k tokens with a rank-selector_rank predecessor x hidden x successor term.
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
+    @property
+    def dflash2(self) -> bool:
+        """A DFlash2 drafter (convolutions and candidate selector)."""
+        return self.conv_kernel_size is not None
 
     def __post_init__(self):
         # Normalise first (frozen, so via object.__setattr__): tuples keep the config hashable.
@@ -582,6 +596,18 @@ class DrafterConfig:
         cap = self.final_logit_softcapping
         need(cap is None or (isinstance(cap, int | float) and math.isfinite(cap) and cap > 0),
              f"final_logit_softcapping={cap!r} must be > 0 or null")
+        dflash2 = {name: getattr(self, name) for name in DFLASH2_FIELDS}
+        unset = [name for name, value in dflash2.items() if value is None]
+        need(len(unset) in (0, len(dflash2)), f"a DFlash2 drafter needs all of {list(DFLASH2_FIELDS)}; "
+             f"{unset} missing")
+        if not unset:
+            for name, value in dflash2.items():
+                need(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                     f"{name} must be a positive integer, got {value!r}")
+            need(self.hidden_size % self.conv_group_size == 0,
+                 f"hidden_size={self.hidden_size} is not a multiple of conv_group_size={self.conv_group_size}")
+            need(self.selector_top_k <= self.vocab_size,
+                 f"selector_top_k={self.selector_top_k} exceeds vocab_size={self.vocab_size}")
         need(self.num_attention_heads % self.num_key_value_heads == 0,
              f"num_attention_heads={self.num_attention_heads} is not a multiple of "
              f"num_key_value_heads={self.num_key_value_heads}")
@@ -632,12 +658,13 @@ class DrafterConfig:
                 raise ConfigError(f"dflash_config must be an object, got {dflash!r}")
             d = Fields(dflash, "dflash_config.")
             f.read.add("dflash_config")
-            if "DFlash2DraftModel" in (raw.get("architectures") or []) or any(
-                    k in dflash for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")):
-                raise ConfigError("DFlash2 drafters (dynamic convolutions, candidate selector) are not supported")
 
             def pick(key: str) -> Fields:  # z-lab's _draft_value: dflash_config first, then the top level
                 return d if d.has(key) else f
+
+            # DFlash2 when z-lab's class is named or any of its fields is set; then all four are required.
+            dflash2 = "DFlash2DraftModel" in (raw.get("architectures") or []) or any(
+                pick(k).has(k) for k in DFLASH2_FIELDS)
 
             f.require("hidden_act", ("silu",), "silu", "the drafter MLP uses SiLU")
             f.require("attention_bias", (False,), False, "no z-lab drafter has projection biases")
@@ -696,12 +723,13 @@ class DrafterConfig:
                 input_embedding_scale=pick("input_embedding_scale").number("input_embedding_scale", 1.0),
                 output_multiplier=pick("output_multiplier").number("output_multiplier", 1.0),
                 final_logit_softcapping=cap or None,
+                **{k: pick(k).integer(k) if dflash2 else None for k in DFLASH2_FIELDS},
             )
         d.read |= {"block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale", "output_multiplier",
-                   "final_logit_softcapping", "mask_token"}
+                   "final_logit_softcapping", "mask_token", *DFLASH2_FIELDS}
         f.read |= {"use_sliding_window", "sliding_window", "max_window_layers", "block_size", "mask_token_id",
                    "target_layer_ids", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-                   "tie_word_embeddings"}
+                   "tie_word_embeddings", *DFLASH2_FIELDS}
         f.warn_unknown(source)
         d.warn_unknown(source)
         return cfg
@@ -734,6 +762,9 @@ class DrafterConfig:
             raw["is_causal"] = self.is_causal
         if self.target_hidden_size != self.hidden_size:
             raw["target_hidden_size"] = self.target_hidden_size
+        if self.dflash2:  # z-lab's DFlash2 config: the class name, its fields in dflash_config
+            raw["architectures"] = ["DFlash2DraftModel"]
+            dflash.update({name: getattr(self, name) for name in DFLASH2_FIELDS})
         return raw
 
 

@@ -220,14 +220,14 @@ def param_tensors(params) -> Iterator[tuple[str, object, nnx.Variable]]:
 
 
 def load_params(path, model, *, ignore: Sequence[str] = (), place: Callable[[str, np.ndarray], jax.Array] = to_device,
-                progress: bool = True):
+                progress: bool = True, aliases: Mapping[str, str] | None = None):
     """``(graphdef, params)`` of an abstract NNX model (built under ``nnx.eval_shape``) filled from the checkpoint
     at ``path``: every array's checkpoint key is its parameter's path joined by dots (``tensor_keys``), and
-    ``load_state`` checks them all (``ignore``, ``place`` and ``progress`` as there) before any data is read. The
-    one load sequence of every model."""
+    ``load_state`` checks them all (``ignore``, ``place``, ``progress`` and ``aliases`` as there) before any data is
+    read. The one load sequence of every model."""
     graphdef, abstract = nnx.split(model)
     arrays = load_state(path, {key: a for key, a, _ in param_tensors(abstract)}, ignore=ignore, place=place,
-                        progress=progress)
+                        progress=progress, aliases=aliases)
 
     def filled(path_, v):
         value = v.get_value()
@@ -244,13 +244,16 @@ def load_state(
     ignore: Sequence[str] = (),
     place: Callable[[str, np.ndarray], jax.Array] = to_device,
     progress: bool = True,
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, jax.Array]:
     """Loads exactly the keys of ``expected`` from the checkpoint at ``path``.
 
     File keys matching any regex in ``ignore`` (``re.match``, tried on the file key and on its
     normalised form) are skipped. Every mismatch (missing, unexpected, duplicated, mis-shaped tensor)
     is found from the headers alone and raised as one CheckpointError before any data is read.
-    ``place(canonical key, host array)`` puts each tensor on device(s) as it is read.
+    ``place(canonical key, host array)`` puts each tensor on device(s) as it is read. ``aliases``: file keys
+    (after the prefix normalisation) read as another canonical key (a drafter's codebooks stored without
+    ``.weight``); a tensor present under both names is reported as appearing twice.
     """
     ignore_re = [re.compile(p) for p in ignore]
     entries = _entries(checkpoint_files(path))
@@ -261,6 +264,7 @@ def load_state(
     problems: list[str] = []
     for key, entry in entries.items():
         canon = _PREFIX[1] + key[len(_PREFIX[0]):] if key.startswith(_PREFIX[0]) else key
+        canon = (aliases or {}).get(canon, canon)
         if any(r.match(key) or r.match(canon) for r in ignore_re):
             continue
         m = _PER_EXPERT.match(canon)

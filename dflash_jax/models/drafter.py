@@ -26,11 +26,16 @@ from dflash_jax import kernels
 from dflash_jax.config import ConfigError, DrafterConfig, TargetConfig
 from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels import dispatch
+from dflash_jax.models.dflash2 import CandidateSelector, GroupedDynamicCausalConv
 from dflash_jax.models.layers import MLP, Linear, RMSNorm, SplitModel, attention
 from dflash_jax.models.rope import rotate, rows, table
 from dflash_jax.models.target import check_layers, param_dtype
 
 _LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+# z-lab's released DFlash2 checkpoints store the selector's codebooks without ``.weight`` (its
+# ``DFlash2DraftModel.from_pretrained`` maps them); ``save_drafter`` writes the module tree's keys, with it.
+CODEBOOK_ALIASES = {f"candidate_selector.{name}": f"candidate_selector.{name}.weight"
+                    for name in ("predecessor_codebook", "successor_codebook")}
 
 
 def draft_logits(cfg: DrafterConfig, logits: jax.Array) -> jax.Array:
@@ -90,7 +95,9 @@ class DrafterAttention(nnx.Module):
 
 
 class DrafterLayer(nnx.Module):
-    """One Qwen3 decoder layer (pre-norm attention, then pre-norm SwiGLU), with its layer's mask settings."""
+    """One Qwen3 decoder layer (pre-norm attention, then pre-norm SwiGLU), with its layer's mask settings;
+    in a DFlash2 drafter each sub-layer is wrapped in its ``GroupedDynamicCausalConv`` (``attention_conv``,
+    ``mlp_conv``: the normed input convolved before, the output after, over the block)."""
 
     def __init__(self, cfg: DrafterConfig, index: int, *, dtype, kernels: str, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -100,18 +107,32 @@ class DrafterLayer(nnx.Module):
         self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, kernels=kernels, rngs=rngs)
+        conv = (lambda: GroupedDynamicCausalConv(cfg, dtype=dtype, kernels=kernels, rngs=rngs)) if cfg.dflash2 else None
+        self.attention_conv = conv and conv()  # None in a DFlash drafter
+        self.mlp_conv = conv and conv()
 
     def __call__(self, x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array,
                  rot: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, D] at positions start[b] + t (cos/sin rot) -> (x [B, T, D], caches with the block's K/V written)."""
-        o, k_cache, v_cache = self.self_attn(self.input_layernorm(x), k_cache, v_cache, start, rot,
-                                             causal=self.causal, window=self.window)
+        h = self.input_layernorm(x)
+        if self.attention_conv is not None:
+            h, later = self.attention_conv.prepare(h)
+        o, k_cache, v_cache = self.self_attn(h, k_cache, v_cache, start, rot, causal=self.causal, window=self.window)
+        if self.attention_conv is not None:
+            o = self.attention_conv.finish(o, later)
         x = x + o
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is not None:
+            h, later = self.mlp_conv.prepare(h)
+        o = self.mlp(h)
+        if self.mlp_conv is not None:
+            o = self.mlp_conv.finish(o, later)
+        return x + o, k_cache, v_cache
 
 
 class DFlashDrafter(nnx.Module):
-    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head).
+    """The z-lab ``DFlashDraftModel`` tree: fc, hidden_norm, layers.{i}, norm (no embedding, no head); a
+    DFlash2 drafter (``DFlash2DraftModel``) adds each layer's convolutions and ``candidate_selector``.
 
     ``kernels`` is the attention kernel mode (None: ``kernels.default_mode()``), a static attribute.
     """
@@ -125,6 +146,8 @@ class DFlashDrafter(nnx.Module):
         self.layers = nnx.List([DrafterLayer(cfg, i, dtype=dtype, kernels=kernels, rngs=rngs)
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
+        self.candidate_selector = (CandidateSelector(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
+                                   if cfg.dflash2 else None)
 
 
 @jax.tree_util.register_dataclass
@@ -250,7 +273,8 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
     model = nnx.eval_shape(lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0)))
     # Some exports ship copies of the target's embedding/head; the drafter always uses the target's own.
     ignore = [r"(model\.)?embed_tokens\.", r"lm_head\."]
-    return Drafter(cfg, *checkpoint.load_params(path, model, ignore=ignore, progress=progress))
+    return Drafter(cfg, *checkpoint.load_params(path, model, ignore=ignore, progress=progress,
+                                                aliases=CODEBOOK_ALIASES if cfg.dflash2 else {}))
 
 
 def save_drafter(path: str | Path, drafter: Drafter, *, matrix_dtype=None) -> None:
