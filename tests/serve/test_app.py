@@ -17,8 +17,8 @@ import pytest
 from serve_fixtures import running
 
 from dflash_jax.cli import main
-from dflash_jax.decoding import runtime
-from dflash_jax.perf import serve_load
+from dflash_jax.decoding import blocksize, runtime
+from dflash_jax.perf import serve_load, step_cost
 
 MAX_LEN = 128
 SLOTS = 2
@@ -29,9 +29,32 @@ PROMPT = "def fibonacci(n):\n"
 
 @pytest.fixture(scope="module")
 def server():
-    with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len", str(QUEUE),
-                 "--block-size", "8", "--served-model-name", "tiny") as r:
-        yield r
+    """The module's server: no --block-size, so serve chooses its block as generate --block-size auto does, here
+    by a stand-in for ``step_cost.choose`` (measured, the choice costs tens of seconds; the block-size tests
+    prove it and the slow SIGTERM test runs it in a server) that picks block 8 from the costs it is given."""
+    asked, notes = {}, []
+
+    def choose(target, drafter, prompts, *, batch, **kw):
+        asked.update(batch=batch, prompts=prompts, **kw)
+        costs = {1: 1.0, 4: 1.3, 8: 1.5, 16: 9.0}
+        return blocksize.choose_block([0.9] * 7 + [0.1] * 8, costs, batch=batch, source="stood in"), None
+
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: notes.append(record.getMessage())
+    serve_log = logging.getLogger("dflash_jax.serve")
+    level = serve_log.level
+    serve_log.addHandler(handler)
+    serve_log.setLevel(logging.INFO)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_cost, "choose", choose)
+        try:
+            with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len",
+                         str(QUEUE), "--served-model-name", "tiny") as r:
+                r.choice = dict(asked=asked, notes=notes)
+                yield r
+        finally:
+            serve_log.removeHandler(handler)
+            serve_log.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +395,17 @@ def test_a_stop_string_is_counted_as_stop_up_to_the_token_that_completed_it(serv
 def test_stats_bounds_its_list_of_records(server):
     stats = server.engine.stats()
     assert stats["finished_kept"] == 1024 and len(stats["finished"]) <= 1024
-    assert stats["block_size"] == 8 and stats["slots"] == SLOTS
+    assert stats["slots"] == SLOTS
+
+
+def test_the_block_is_chosen_by_cost_for_the_slots_and_logged(server):
+    """No --block-size: the block ``step_cost.choose`` picks for --max-num-seqs rows is the one served, and the
+    log says why."""
+    asked, notes = server.choice["asked"], server.choice["notes"]
+    assert asked["batch"] == SLOTS and asked["max_new_tokens"] <= MAX_LEN - max(map(len, asked["prompts"]))
+    assert server.engine.loop.spec.block_size == 8 and server.served.speculative
+    assert httpx.get(server.base_url + "/stats").json()["block_size"] == 8
+    assert any(n.startswith(f"block size auto: 8 (7 speculative tokens) at batch {SLOTS}") for n in notes), notes
 
 
 # -- as vLLM users meet it --

@@ -1,9 +1,9 @@
-"""``dflash-jax serve`` as a command: its flags (and a port in use) refused before any weight loads, its defaults
-(the model id, the block chosen by cost and logged), and, as a process of its own, SIGTERM: it stops taking
-connections, finishes the requests in flight, and exits."""
+"""``dflash-jax serve`` as a command: its flags (and a port in use) refused before any weight loads, the model id's
+default, and, as a process of its own, SIGTERM: it stops taking connections, finishes the requests in flight,
+and exits, having chosen its block by cost (measured) and logged it. (The block's wiring in a default run:
+``test_app.py``'s server.)"""
 
 import json
-import logging
 import os
 import signal
 import socket
@@ -14,12 +14,11 @@ import time
 
 import httpx
 import pytest
-from serve_fixtures import free_port, running
+from serve_fixtures import free_port
 
 from dflash_jax.cli import build_parser, main
 from dflash_jax.cli import serve as cli_serve
-from dflash_jax.decoding import blocksize, runtime
-from dflash_jax.perf import step_cost
+from dflash_jax.decoding import runtime
 
 START_TIMEOUT_S = 600  # import, load and first compiles on a busy 2-core machine
 TIMEOUT_S = 300
@@ -60,29 +59,6 @@ def test_a_port_in_use_is_refused_before_the_models_load(monkeypatch, capsys):
 ])
 def test_the_model_id_is_the_name_as_given(flags, name):
     assert cli_serve.model_name(build_parser().parse_args(["serve", *flags])) == name
-
-
-def test_the_block_is_chosen_by_cost_for_the_slots_and_logged(monkeypatch, caplog):
-    """Without --block-size, serve asks ``step_cost.choose`` (generate's --block-size auto) for --max-num-seqs
-    rows, serves the block it chose, and logs the reason. The choice itself is proved in the block-size tests;
-    here it is stood in for, so that this runs in seconds (the slow SIGTERM test runs the real one)."""
-    asked = {}
-
-    def choose(target, drafter, prompts, *, batch, **kw):
-        asked.update(batch=batch, prompts=prompts, **kw)
-        costs = {1: 1.0, 4: 1.5, 16: 9.0}
-        return blocksize.choose_block([0.9, 0.8, 0.7] + [0.1] * 12, costs, batch=batch, source="stood in"), None
-
-    monkeypatch.setattr(step_cost, "choose", choose)
-    with caplog.at_level(logging.INFO, logger="dflash_jax.serve"):
-        with running("--max-num-seqs", "3", "--max-model-len", "64", "--no-warmup") as r:
-            assert r.engine.loop.spec.block_size == 4 and r.served.speculative
-            assert httpx.get(r.base_url + "/stats").json()["block_size"] == 4
-            out = httpx.post(r.base_url + "/v1/completions", json={"prompt": "def f(x):\n", "max_tokens": 3,
-                                                                   "ignore_eos": True}, timeout=300)
-            assert out.json()["usage"]["completion_tokens"] == 3
-    assert asked["batch"] == 3 and asked["max_new_tokens"] <= 64 - max(map(len, asked["prompts"]))
-    assert "block size auto: 4 (3 speculative tokens) at batch 3" in caplog.text
 
 
 @pytest.mark.slow
