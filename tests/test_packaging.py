@@ -115,3 +115,18 @@ def test_checkout_root_kernels_is_not_importable_by_its_folder_name(tmp_path):
             "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)\n")
     run = subprocess.run([sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.strip() == "missing kernels", run.stdout + run.stderr
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A name with a leading underscore is its module's own: another module that needs it gets a public name
+    (issue 33: models/quark.py imported quant.py's ``_projections``)."""
+    import ast
+
+    found = []
+    for path in sorted([*(ROOT / "dflash_jax").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("dflash_jax", "kernels"):
+                found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    # perf/bench.py's two, imported by cli/bench.py, are its owner's to make public (reported, not yet done)
+    assert [f for f in found if not f.startswith("dflash_jax/cli/bench.py:")] == [], found

@@ -28,13 +28,13 @@ from dflash_jax.config import ConfigError, QuantConfig
 from dflash_jax.kernels.mxfp4 import BLOCK
 from dflash_jax.models.layers import Experts, Linear, MXFP4Weight
 
-__all__ = ["convert", "dequantize_modules", "layout", "plan", "quantize_modules", "restore_layout"]
+__all__ = ["convert", "dequantize_modules", "layout", "plan", "projections", "quantize_modules", "restore_layout"]
 
 # ---------------------------------------------------------------------------------------------
 # The model's projections
 
 
-def _projections(module):
+def projections(module):
     """(weight path, owning module, attribute, per-expert module names or None) of every projection
     MXFP4 can hold: each ``Linear``'s weight and each ``Experts``' two fused weights."""
     for path, sub in nnx.iter_graph(module):
@@ -52,7 +52,7 @@ def plan(module, qcfg: QuantConfig) -> list[str]:
     """Weight paths ``qcfg`` quantizes in ``module``: every projection not excluded whose input width
     is a multiple of 32 (others cannot be blocked and stay bf16)."""
     out = []
-    for path, sub, attr, names in _projections(module):
+    for path, sub, attr, names in projections(module):
         excluded = [qcfg.excludes(n) for n in names]
         if any(excluded) != all(excluded):
             raise ConfigError(f"quantization_config.exclude matches only some experts of {path!r} "
@@ -75,7 +75,7 @@ def _apply(module, paths, input_scale_mode: str | None, scale_mode: str) -> None
     abstract module (``nnx.eval_shape``), quantized values on a concrete one. ``var.replace`` keeps the
     parameter's metadata (its logical axes), so codes and scales shard along the weight's axes."""
     todo = set(paths)
-    for path, sub, attr, _ in _projections(module):
+    for path, sub, attr, _ in projections(module):
         if path in todo:
             todo.discard(path)
             var = getattr(sub, attr)
@@ -94,7 +94,7 @@ def quantize_modules(module, qcfg: QuantConfig) -> list[str]:
 def dequantize_modules(module, dtype) -> list[str]:
     """Replaces every MXFP4 weight of ``module`` by its dequantized values in ``dtype``, in place."""
     done = []
-    for path, sub, attr, _ in _projections(module):
+    for path, sub, attr, _ in projections(module):
         var = getattr(sub, attr)
         if isinstance(w := var.get_value(), MXFP4Weight):
             setattr(sub, attr, var.replace(w.dequantize(dtype)))  # keeps its logical axes
@@ -104,7 +104,7 @@ def dequantize_modules(module, dtype) -> list[str]:
 
 def layout(module) -> dict | None:
     """The MXFP4 layout of ``module`` as JSON (for converted copies), None when nothing is quantized."""
-    quantized = {path: w for path, sub, attr, _ in _projections(module)
+    quantized = {path: w for path, sub, attr, _ in projections(module)
                  if isinstance(w := getattr(sub, attr).get_value(), MXFP4Weight)}
     if not quantized:
         return None

@@ -19,7 +19,7 @@ from dflash_jax.config import DEFAULT_EXCLUDE, ConfigError, QuantConfig, read_co
 from dflash_jax.io import atomic, checkpoint
 from dflash_jax.kernels.mxfp4 import BLOCK
 from dflash_jax.models.layers import hf_tensors
-from dflash_jax.models.quant import _projections, convert, layout, plan
+from dflash_jax.models.quant import convert, layout, plan, projections
 from dflash_jax.models.target import load_target
 
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +68,7 @@ def save_quark(target, qcfg: QuantConfig, source, out, *, dtype=jnp.bfloat16, sh
     source, out = Path(source), Path(out)
     module = target.module()
     quantized = set(plan(module, qcfg))
-    skipped = [n for path, _, _, names in _projections(module) if path not in quantized
+    skipped = [n for path, _, _, names in projections(module) if path not in quantized
                and not qcfg.excludes(names[0]) for n in names]
     state = layout(module)
     if state is None or set(state["quantized"]) != quantized:
