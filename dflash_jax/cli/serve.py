@@ -11,6 +11,7 @@ then it stops taking connections, finishes the requests in flight, and exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import sys
@@ -100,7 +101,8 @@ def build(args, mesh=None, settings=None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
     if method.kind == "dflash" and _auto_block(args):
-        method = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
+        block = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
+        method = runtime.AR if block == 1 else dataclasses.replace(method, block=block)
     proposer, pparams = runtime.proposer_for(method, target, drafter)
     loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len), mesh)
     params = (target.params, pparams)
@@ -129,8 +131,8 @@ def _auto_block(args) -> bool:
     return auto_block(args)
 
 
-def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dtype: str, mesh, model_dir):
-    """``--block-size auto``: the DFlash block (or plain decoding) with the most expected tokens/s for
+def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dtype: str, mesh, model_dir) -> int:
+    """``--block-size auto``: the DFlash block (1: plain decoding) with the most expected tokens/s for
     ``--max-num-seqs`` rows, as ``generate`` chooses it (``perf.step_cost.choose``), on ``SIZING_PROMPTS``,
     greedy; logged with its reasons."""
     from dflash_jax.perf import step_cost
@@ -143,7 +145,7 @@ def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dty
     choice, _ = step_cost.choose(target, drafter, prompts, batch=args.max_num_seqs, draft_dir=draft_dir,
                                  key=(str(model_dir), str(draft_dir), dtype), max_new_tokens=new_tokens, mesh=mesh)
     log.info("%s", choice.reason())
-    return runtime.AR if choice.block == 1 else runtime.Method("dflash", choice.block)
+    return choice.block
 
 
 def _candidates(drafter) -> tuple[int, ...]:
