@@ -153,7 +153,8 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="tau, tokens/s and speed-up of ar / MTP / DFlash on the report's workloads")
     b.add_argument("--workload", default="humaneval", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     b.add_argument("--methods", default=f"ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16,{AUTO}",
-                   help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B), dflash:auto (the "
+                   help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B; dflash2:B "
+                        "the same, refused unless the drafter is a DFlash2 one), dflash:auto (the "
                         "block --block-size auto picks per concurrency: expected tokens/s from the drafter's "
                         "acceptance and the step cost measured here), and the peers on the same weights hf:ar "
                         "(transformers' generate) and zlab:B (z-lab's dflash package, pip install --no-deps "

@@ -62,7 +62,7 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
     block = draft_block if steps is None else steps + 1
     if block < 2:
         raise ValueError(f"--speculative-config: DFlash num_speculative_tokens must be >= 1, got {block - 1}")
-    return runtime.Method("dflash", block)
+    return runtime.Method("dflash", block, dflash2=spec["method"] == "dflash2")
 
 
 def parse_speculative_config(text: str) -> dict:
@@ -82,8 +82,8 @@ def parse_speculative_config(text: str) -> dict:
                              'a DFlash drafter directory ("method" is then "dflash")')
         spec = {**spec, "method": "dflash"}
     method = spec["method"]
-    if method not in ("dflash", "mtp"):
-        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash' or 'mtp'")
+    if method not in ("dflash", "dflash2", "mtp"):
+        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash', 'dflash2' or 'mtp'")
     steps = spec.get("num_speculative_tokens")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {steps!r}")
@@ -91,8 +91,8 @@ def parse_speculative_config(text: str) -> dict:
         raise ValueError(f"--speculative-config: num_speculative_tokens {steps} drafts nothing; use "
                          f"--block-size 1 for plain decoding")
     model = spec.get("model")
-    if method == "dflash" and not (isinstance(model, str) and model):
-        raise ValueError('--speculative-config: method "dflash" needs "model": the drafter directory')
+    if method in ("dflash", "dflash2") and not (isinstance(model, str) and model):
+        raise ValueError(f'--speculative-config: method "{method}" needs "model": the drafter directory')
     if method == "mtp" and model is not None:
         raise ValueError('--speculative-config: method "mtp" drafts with the target\'s own head; drop "model"')
     return spec
@@ -148,11 +148,12 @@ def check_request(args) -> Request:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
     model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
     cfg, _ = read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
-    draft_block = None
+    draft_block = draft_cfg = None
     if draft_dir is not None:
         from dflash_jax.config import DrafterConfig
 
-        draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
+        draft_cfg = DrafterConfig.from_pretrained(draft_dir)
+        draft_block = draft_cfg.block_size
     note = ""
     if spec is None and draft_dir is None and args.block_size is None:  # --model DIR and nothing to draft with
         if cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir):  # as vLLM: the model's own head
@@ -167,6 +168,8 @@ def check_request(args) -> Request:
     if method.kind == "dflash" and method.block > draft_block:
         raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
                          f"size {draft_block} ({draft_dir})")
+    if method.kind == "dflash":
+        runtime.check_generation([method], draft_cfg, draft_dir)
     if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
         raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none "
                          f"(mtp_num_hidden_layers is 0)")
@@ -320,7 +323,7 @@ def add_parser(sub) -> None:
     g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
-                   f"(MTP default: {MTP_DEFAULT_STEPS})")
+                   f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter")
     g.add_argument("--block-size", type=block_size_flag, default=None, metavar="{auto,N}",
                    help="tokens per verify step (1 = plain decoding; vLLM/SGLang's speculative tokens + 1); auto "
                         "(default): the block with the most expected tokens/s for this batch, from the drafter's "

@@ -166,7 +166,7 @@ def cmd_drafter(args) -> None:
     target = load_target(args.target, jnp.float32, mtp=False)
     seqs, tok = _regenerated(args, target)
     cfg = dt.drafter_config(target.cfg, num_layers=args.layers, taps=taps, mask_token_id=tok.token_to_id(tk.MASK),
-                            block_size=args.block_size)
+                            block_size=args.block_size, arch=args.arch)
     drafter, res = dt.train_drafter(target, cfg, seqs, args.prompt_len, tcfg, anchors=args.anchors,
                                     batch=args.batch, seed=args.seed, ckpt_dir=args.ckpt_dir)
     with _output(args, args.target) as tmp:
@@ -222,6 +222,9 @@ def add_parser(sub) -> None:
                    "last, whose tap is the final-normed state)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per drafted block (anchor + drafts), >= 2")
     p.add_argument("--anchors", type=int, default=16, help="blocks per sequence per step")
+    p.add_argument("--arch", choices=("dflash", "dflash2"), default="dflash",
+                   help="dflash2: add DFlash2's dynamic convolutions and candidate selector (z-lab's "
+                        "DFlash2DraftModel layout; conv kernel 2, groups of 16, selector rank 256, top-16)")
     _loop_args(p, steps=180, lr=2e-3, batch=8)
     p.set_defaults(func=cmd_drafter)
 

@@ -152,32 +152,39 @@ def encoding_name(tokenizer, chat: str, thinking: bool) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B)."""
+    """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B; any DFlash
+    drafter, whose checkpoint decides its generation). ``dflash2:B`` is kind "dflash" with ``dflash2`` set: the
+    same loop and proposer, and the drafter must be a DFlash2 one (``check_blocks``)."""
 
     kind: str
     block: int
+    dflash2: bool = False
 
     @property
     def name(self) -> str:
-        return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": f"dflash:{self.block}"}[self.kind]
+        dflash = f"dflash2:{self.block}" if self.dflash2 else f"dflash:{self.block}"
+        return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": dflash}[self.kind]
 
 
 AR = Method("ar", 1)
 
 
 def parse_method(item: str, flag: str = "--methods") -> Method:
-    """'ar', 'mtp:K' (K in 1..15) or 'dflash:B' (B >= 2) -> Method; errors name ``flag``."""
+    """'ar', 'mtp:K' (K in 1..15), 'dflash:B' or 'dflash2:B' (B >= 2) -> Method; errors name ``flag``."""
     item = item.strip()
     if item == "ar":
         return AR
     kind, _, arg = item.partition(":")
-    if kind not in ("mtp", "dflash") or not arg.isdigit():
-        raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15) or dflash:B (B >= 2)")
+    if kind not in ("mtp", "dflash", "dflash2") or not arg.isdigit():
+        raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15), dflash:B or dflash2:B "
+                         f"(B >= 2)")
     n = int(arg)
     if kind == "mtp" and not 1 <= n <= 15:
         raise ValueError(f"{flag}: {item!r}: MTP steps K must be in 1..15")
-    if kind == "dflash" and n < 2:
+    if kind in ("dflash", "dflash2") and n < 2:
         raise ValueError(f"{flag}: {item!r}: DFlash block B must be >= 2 (block 1 is ar)")
+    if kind == "dflash2":
+        return Method("dflash", n, dflash2=True)
     return Method(kind, n + 1 if kind == "mtp" else n)
 
 
@@ -204,11 +211,22 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
 
 
 def check_blocks(methods, drafter, where) -> None:
-    """A clear error naming the DFlash ``methods`` with a block larger than ``drafter``'s (loaded from ``where``)."""
+    """A clear error naming the DFlash ``methods`` with a block larger than ``drafter``'s (loaded from ``where``),
+    or asking for a DFlash2 drafter (``dflash2:B``) where it is a DFlash one."""
     too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
     if too_big:
         raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
                          f"({where})")
+    check_generation(methods, drafter.cfg, where)
+
+
+def check_generation(methods, drafter_cfg, where) -> None:
+    """A clear error naming the ``dflash2:B`` ``methods`` when the drafter (config ``drafter_cfg``, from ``where``)
+    is a DFlash one: its config.json has no DFlash2 fields (conv_kernel_size, ..., selector_top_k)."""
+    wrong = [m.name for m in methods if getattr(m, "dflash2", False) and not drafter_cfg.dflash2]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: the drafter {where} is a DFlash drafter, not a DFlash2 one (its "
+                         f"config.json has no conv_kernel_size / selector_top_k); use dflash:B")
 
 
 def checkpoint_has_mtp(model_dir: Path) -> bool:

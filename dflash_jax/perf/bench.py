@@ -777,10 +777,7 @@ def random_models(args, methods):
     drafter = None
     if any(m.kind == "dflash" for m in methods):
         drafter = synthetic.random_drafter(draft_path, target, seed=args.seed + 1)
-        too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
-        if too_big:
-            raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
-                             f"({draft_path})")
+        runtime.check_blocks(methods, drafter, draft_path)
     return target, drafter, target_path, draft_path if drafter is not None else None
 
 

