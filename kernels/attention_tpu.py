@@ -3,12 +3,13 @@
 
 Why: on TPU the XLA form of verify's attention (16 tokens x the query heads of each KV head scoring every
 cached key) writes its f32 scores to HBM and reads them back in each softmax pass: ~4x the K/V bytes the op
-must read (docs/compile.md). Here one program per (row, KV head) holds the row's K [S, H] and V [H, S] and
-the [M, S] scores in VMEM (M = T x query heads per KV head, stacked t-major): HBM sees q, K, V once and the
-output once. The whole key range sits in VMEM (K, V and f32 scores: ~6 MiB at S = 4128, H = 256, M = 96), so
-S is bounded by the chip's scoped VMEM; a key-blocked online softmax would lift that. A query that sees no
-key at all returns zeros (the reference averages V then). Not yet dispatched by the models: the compile
-report and the tests use it directly.
+must read (docs/compile.md). Here one program per (row, KV head) walks the cache in key blocks with an online
+softmax (running max, sum and f32 accumulator in VMEM; the M = T x query heads per KV head query rows stacked
+t-major): HBM sees q once, each key block of K [S, H] and V [H, S] that holds a visible key once, and the output
+once. Blocks past the row's keys (and, with a sliding window, before them) map onto the nearest visible block,
+which the pipeline already holds, so they cost no transfer and no compute; the cache's length S is bounded only
+by HBM. ``traffic`` is that accounting (the compiler cannot see inside a Mosaic call; the call hands it the
+static bound, every block). A query that sees no key at all returns zeros (the reference averages V then).
 """
 
 from __future__ import annotations
@@ -23,24 +24,82 @@ from jax.experimental.pallas import tpu as pltpu
 _NEG = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 
 
-def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, *, scale, causal, window, group):
-    b = pl.program_id(0)
-    q = q_ref[0, 0]  # [M, H], rows t-major: row = t * group + g
-    s = jax.lax.dot_general(q, k_ref[0, 0], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [M, S]
-    kpos = jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-    qpos = q_start_ref[b] + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0), group)  # rows >= 0
-    mask = kpos < kv_len_ref[b]
-    if causal:
-        mask = mask & (kpos <= qpos)
-    if window is not None:
-        mask = mask & (kpos > qpos - window)
-    s = jnp.where(mask, s, _NEG)
-    p = jnp.where(mask, jnp.exp(s - jnp.max(s, axis=1, keepdims=True)), 0.0)
-    denom = jnp.maximum(jnp.sum(p, axis=1, keepdims=True), 1e-30)
-    o = jax.lax.dot_general(p.astype(v_ref.dtype), v_ref[0, 0], (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [M, H]
-    o_ref[0, 0] = (o / denom).astype(o_ref.dtype)
+def key_block(S: int) -> int:
+    """Keys per block: S/8 rounded down to a power of two in [512, 2048] (at most S): coarse enough to amortise a
+    grid step, fine enough that the last, partly visible block wastes little at short contexts."""
+    if S <= 512:
+        return S
+    bk = 512
+    while bk < 2048 and 2 * bk <= S // 8:
+        bk *= 2
+    return bk
+
+
+def _visible(q_start, kv_len, T: int, window: int | None, causal: bool):
+    """The keys [lo, hi) some query of the row may see (traced int32 scalars)."""
+    hi = jnp.minimum(kv_len, q_start + T) if causal else kv_len
+    lo = jnp.maximum(q_start - window + 1, 0) if window is not None else 0
+    return lo, jnp.maximum(hi, lo + 1)
+
+
+def _block(j, q_start, kv_len, *, T, window, causal, bk):
+    lo, hi = _visible(q_start, kv_len, T, window, causal)  # both >= 0: lax.div (no sign logic for Mosaic)
+    return jnp.clip(j, jax.lax.div(lo, bk), jax.lax.div(hi - 1, bk))
+
+
+def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, causal, window,
+            group, T, bk):
+    b, j = pl.program_id(0), pl.program_id(2)
+    q_start, kv_len = q_start_ref[b], kv_len_ref[b]
+
+    @pl.when(j == 0)
+    def _():
+        m_ref[...] = jnp.full_like(m_ref, _NEG)
+        l_ref[...] = jnp.zeros_like(l_ref)
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(_block(j, q_start, kv_len, T=T, window=window, causal=causal, bk=bk) == j)
+    def _():
+        q = q_ref[0, 0]  # [M, H], rows t-major: row = t * group + g
+        s = jax.lax.dot_general(q, k_ref[0, 0], (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [M, bk]
+        kpos = j * bk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        qpos = q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
+        mask = kpos < kv_len
+        if causal:
+            mask = mask & (kpos <= qpos)
+        if window is not None:
+            mask = mask & (kpos > qpos - window)
+        s = jnp.where(mask, s, _NEG)
+        m_old = m_ref[...]  # [M, 1]
+        m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_old - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        # keys past kv_len (the last block's tail, past S: unwritten memory) must not reach the sum even as NaN
+        vpos = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        v = jnp.where(vpos < kv_len, v_ref[0, 0], 0)  # [H, bk]
+        acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
+            p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, H]
+        m_ref[...] = m_new
+
+    @pl.when(j == pl.num_programs(2) - 1)
+    def _():
+        o_ref[0, 0] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
+
+
+def traffic(q_start, kv_len, *, T: int, N: int, K: int, H: int, S: int, itemsize: int, causal: bool = True,
+            window: int | None = None) -> int:
+    """HBM bytes the kernel moves for rows (q_start [B], kv_len [B]), from its grid and block specs: the pipeline
+    fetches a K and a V block at each grid step whose block index (the index maps' ``_block``) differs from the
+    previous step's, per (row, KV head); q and the output move once."""
+    bk = key_block(S)
+    steps = jnp.arange(pl.cdiv(S, bk))
+    fetches = 0
+    for qs, kl in zip(q_start, kv_len, strict=True):
+        index = _block(steps, jnp.int32(qs), jnp.int32(kl), T=T, window=window, causal=causal, bk=bk)
+        fetches += 1 + int(jnp.count_nonzero(jnp.diff(index)))
+    return K * fetches * 2 * bk * H * itemsize + 2 * len(q_start) * T * N * H * itemsize
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "scale", "interpret"))
@@ -52,18 +111,25 @@ def attention_tpu(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=N
     K, S = k.shape[1], k.shape[2]
     G = N // K
     M = T * G
+    bk = key_block(S)
     scale = H**-0.5 if scale is None else scale
     qk = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # [B, K, M, H]
+    at = functools.partial(_block, T=T, window=window, causal=causal, bk=bk)
+    item = q.dtype.itemsize
+    cost = pl.CostEstimate(flops=4 * B * K * M * S * H, transcendentals=B * K * M * S,
+                           bytes_accessed=B * K * (2 * S * H + 2 * M * H) * item)  # static bound: every block
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, causal=causal, window=window, group=G),
+        functools.partial(_kernel, scale=scale, causal=causal, window=window, group=G, T=T, bk=bk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, K),
-            in_specs=[pl.BlockSpec((1, 1, M, H), lambda b, h, *_: (b, h, 0, 0)),
-                      pl.BlockSpec((1, 1, S, H), lambda b, h, *_: (b, h, 0, 0)),
-                      pl.BlockSpec((1, 1, H, S), lambda b, h, *_: (b, h, 0, 0))],
-            out_specs=pl.BlockSpec((1, 1, M, H), lambda b, h, *_: (b, h, 0, 0))),
+            num_scalar_prefetch=2, grid=(B, K, pl.cdiv(S, bk)),
+            in_specs=[pl.BlockSpec((1, 1, M, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
+                      pl.BlockSpec((1, 1, bk, H), lambda b, h, j, qs, kl: (b, h, at(j, qs[b], kl[b]), 0)),
+                      pl.BlockSpec((1, 1, H, bk), lambda b, h, j, qs, kl: (b, h, 0, at(j, qs[b], kl[b])))],
+            out_specs=pl.BlockSpec((1, 1, M, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
+                            pltpu.VMEM((M, H), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((B, K, M, H), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=cost, interpret=interpret, name="attention_tpu",
     )(q_start.astype(jnp.int32), kv_len.astype(jnp.int32), qk, k, v)
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)

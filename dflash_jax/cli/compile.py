@@ -68,6 +68,7 @@ def cmd_compile(args) -> int:
     else:
         configs = synthetic.REAL_SHAPES[args.shape]
     options = dict(args.compiler_option)
+    kernels = args.kernels if args.kernels != "auto" else "tpu" if args.platform == "tpu" else "pallas"
     rows = []
 
     def emit(row):
@@ -76,7 +77,7 @@ def cmd_compile(args) -> int:
 
     for tp in args.tp:
         for batch in args.batch:
-            setup = compile_report.abstract_setup(*configs, devices, shape=args.shape, kernels=args.kernels,
+            setup = compile_report.abstract_setup(*configs, devices, shape=args.shape, kernels=kernels,
                                                   model=tp, batch=batch, block=args.block, context=args.context)
             compile_report.report(setup, args.programs, compiler_options=options, tau=args.tau, on_row=emit)
     print(compile_report.format_rows(rows))
@@ -118,8 +119,9 @@ def add_parser(sub) -> None:
     p.add_argument("--programs", type=_programs, default=("decode", "verify", "step"),
                    help="comma-separated: decode (plain step, T=1), verify (T=block), settle, draft, step, "
                         "loop (the on-device while-loop), run (prefill + loop: the whole generate)")
-    p.add_argument("--kernels", choices=("reference", "pallas"), default="reference",
-                   help="the models' kernel mode (pallas: the Triton kernels, GPU only)")
+    p.add_argument("--kernels", choices=("auto", "reference", "tpu", "pallas"), default="auto",
+                   help="the models' kernel mode: auto = the platform's (tpu: the Mosaic kernels where an op has one; "
+                        "cuda: pallas, the Triton kernels); reference = the XLA forms everywhere")
     p.add_argument("--compiler-option", type=compiler_option, action="append", default=[], metavar="KEY=VALUE",
                    help="an XLA compiler option (repeatable), e.g. xla_tpu_enable_dot_strength_reduction=false")
     p.add_argument("--tau", type=float, default=10.377, help="tokens per DFlash step for the tokens/s projection "

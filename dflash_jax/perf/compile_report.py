@@ -127,12 +127,15 @@ class Setup:
     model: int = 1  # tensor-parallel size (1: one chip)
     batch: int = 1
     block: int = 16
-    context: int = 4096  # cache positions the step's tokens attend (capacity: context + 2 x block)
+    context: int = 4096  # cache positions the step's tokens attend (capacity: ``capacity``)
     prompt: int = 16  # prompt bucket of the abstract init (its prefill is traced, not compiled)
 
     @property
     def capacity(self) -> int:
-        return self.context + 2 * self.block
+        """context + 2 x block, rounded up to a multiple of 128: a TPU holds the V cache [.., H, S] tiled by 128
+        along S, and at another length the compiler copies the whole V cache into that layout before the
+        attention kernel reads it (measured: a 268 MB temporary per layer at 128K)."""
+        return -(-(self.context + 2 * self.block) // 128) * 128
 
 
 def _placed(tree, shardings):
@@ -197,6 +200,19 @@ def programs(setup: Setup) -> dict[str, tuple]:
     }
 
 
+def lowered_cost(lowered) -> dict:
+    """XLA's HLO cost analysis of a lowered program, before fusion (bytes: an upper bound), by the host CPU
+    client: ``Lowered.cost_analysis`` asks the target platform's client, which a compile-only device lacks (the
+    CUDA plugin without a GPU), and returns nothing. A custom call (a Pallas kernel) counts as nothing."""
+    cost = lowered.cost_analysis()
+    if cost:
+        return cost
+    from jax._src.lib import xla_client
+
+    module = lowered.compiler_ir("hlo").as_hlo_module()
+    return xla_client._xla.hlo_module_cost_analysis(jax.devices("cpu")[0].client, module) or {}
+
+
 def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     """Lowers and compiles one phase; its per-device memory and cost as the compiler reports them. Where the
     compiled program has no cost analysis (XLA's GPU compiler through its plugin) FLOPs and bytes are the
@@ -209,7 +225,7 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     source = "compiled"
     if not cost:
-        cost, source = lowered.cost_analysis() or {}, "lowered"
+        cost, source = lowered_cost(lowered), "lowered"
     row = dict(argument_bytes=mem.argument_size_in_bytes, output_bytes=mem.output_size_in_bytes,
                alias_bytes=mem.alias_size_in_bytes, temp_bytes=mem.temp_size_in_bytes,
                code_bytes=mem.generated_code_size_in_bytes,
@@ -221,6 +237,14 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     # What the chip holds while it runs: inputs, outputs not aliased to a donated input, temporaries.
     row["peak_bytes"] = row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
     return row
+
+
+def floor_bytes(setup: Setup, tokens: int) -> float:
+    """The target pass's byte floor per chip (``roofline.target_cost``: the weights its tokens meet, the routed
+    experts counted as the distinct ones ``tokens`` x batch tokens pick under random routing, K/V over the
+    context, the GDN state, the logits)."""
+    cost = roofline.target_cost(setup.target.cfg, tokens=tokens, batch=setup.batch, context=setup.context)
+    return cost.bytes / setup.model
 
 
 def physics_flops(setup: Setup, tokens: int) -> float:
@@ -238,7 +262,7 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
     device = setup.devices[0]
     hbm = HBM_BYTES.get(device.device_kind)
     head = dict(shape=setup.shape, device=CHIP_NAMES.get(device.device_kind, device.device_kind),
-                device_kind=device.device_kind, chips=setup.model, batch=setup.batch,
+                device_kind=device.device_kind, kernels=setup.target.kernels, chips=setup.model, batch=setup.batch,
                 block=setup.block, context=setup.context, hbm_bytes=hbm, compiler_options=compiler_options or {})
     built = programs(setup)
     rows = {}
@@ -246,6 +270,7 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
         phase, args, tokens = built[name]
         row = dict(head, program=name, **compile_program(phase, args, compiler_options))
         row["physics_flops"] = physics_flops(setup, tokens)
+        row["floor_bytes"] = floor_bytes(setup, tokens) if name in ("decode", "verify") else math.nan
         row["fits"] = None if hbm is None else row["peak_bytes"] <= row["hbm_bytes"]
         rows[name] = row
         if on_row:
@@ -273,16 +298,32 @@ def abstract_setup(target_config, drafter_config, devices, *, shape: str = "", k
                  drafter=synthetic.abstract_drafter(drafter_config, kernels=kernels), devices=tuple(devices), **kw)
 
 
-def real_setup(shape: str, devices, **kw) -> Setup:
-    """``abstract_setup`` of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter."""
-    return abstract_setup(*synthetic.REAL_SHAPES[shape], devices, shape=shape, **kw)
+def real_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
+    """The ``config.json`` dicts of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter; with
+    ``layers``, the target's first ``layers`` layers (same layer shapes and pattern; the drafter taps the last
+    one in place of deeper ones): a probe whose per-layer costs extrapolate to the whole model."""
+    target, drafter = synthetic.REAL_SHAPES[shape]
+    if layers is None:
+        return target, drafter
+    if not 1 <= layers <= target["num_hidden_layers"]:
+        raise ValueError(f"--layers {layers}: {shape} has 1 .. {target['num_hidden_layers']} layers")
+    taps = [min(i, layers - 1) for i in drafter["dflash_config"]["target_layer_ids"]]
+    dflash = dict(drafter["dflash_config"], target_layer_ids=taps)
+    return dict(target, num_hidden_layers=layers), dict(drafter, num_target_layers=layers, dflash_config=dflash)
+
+
+def real_setup(shape: str, devices, *, layers: int | None = None, **kw) -> Setup:
+    """``abstract_setup`` of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter (``layers``:
+    ``real_configs``)."""
+    name = shape if layers is None else f"{shape}/{layers}L"
+    return abstract_setup(*real_configs(shape, layers), devices, shape=name, **kw)
 
 
 def format_rows(rows: list[dict]) -> str:
     """A markdown table of ``report`` rows."""
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     lines = ["| model | chip x n | batch | program | args GiB | out GiB | temp GiB | peak / HBM GiB | GFLOP "
-             "(/ physics) | GB accessed | optimal ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(/ physics) | GB accessed (/ floor) | optimal ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         where = f"| {r['shape']} | {r['device']} x {r['chips']} | {r['batch']} "
         if r["program"] == "ratio":
@@ -293,7 +334,9 @@ def format_rows(rows: list[dict]) -> str:
             continue
         hbm = "?" if r["hbm_bytes"] is None else gib(r["hbm_bytes"])
         ratio = "" if math.isnan(r["physics_flops"]) else f" ({r['flops'] / r['physics_flops']:.2f}x)"
+        fb = r.get("floor_bytes", math.nan)
+        floor = "" if math.isnan(fb) else f" ({r['bytes_accessed'] / fb:.2f}x)"
         lines.append(where + f"| {r['program']} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} | "
                      f"{gib(r['temp_bytes'])} | {gib(r['peak_bytes'])} / {hbm} | {r['flops'] / 1e9:.1f}{ratio} | "
-                     f"{r['bytes_accessed'] / 1e9:.2f} | {r['optimal_seconds'] * 1e3:.3f} |".replace("nan", "–"))
+                     f"{r['bytes_accessed'] / 1e9:.2f}{floor} | {r['optimal_seconds'] * 1e3:.3f} |".replace("nan", "–"))
     return "\n".join(lines)

@@ -1,5 +1,6 @@
-"""The Pallas TPU (Mosaic) attention kernel: numerics against the jnp oracle in interpret mode (any host), and
-compiled by libtpu for a compile-only TPU chip at Qwen3.5-27B's verify shapes."""
+"""The Pallas TPU (Mosaic) attention kernel: numerics against the jnp oracle in interpret mode (any host), its
+HBM traffic from its block specs against the byte floor, and compiled by libtpu for a compile-only TPU chip at
+Qwen3.5-27B's verify shapes."""
 
 from __future__ import annotations
 
@@ -11,21 +12,41 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels.attention import attention_reference
-from dflash_jax.kernels.attention_tpu import attention_tpu
+from dflash_jax.kernels.attention_tpu import attention_tpu, key_block, traffic
 
 
-@pytest.mark.parametrize("causal,window", [(True, None), (False, None), (True, 24)])
-def test_matches_the_reference_in_interpret_mode(causal, window):
-    B, T, N, K, H, S = 2, 16, 8, 2, 128, 256
+@pytest.mark.parametrize("S,causal,window", [(256, True, None), (256, False, None), (256, True, 24),
+                                             (2100, True, None), (2100, True, 700), (2100, False, None)])
+def test_matches_the_reference_in_interpret_mode(S, causal, window):
+    """Rows at different depths of the cache; S = 2100 walks 5 key blocks of 512 (the last one partly past S) and
+    skips the blocks no query sees; the cache past each row's keys holds NaN, which must not reach the output."""
+    B, T, N, K, H = 2, 16, 8, 2, 128
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
     k = jax.random.normal(ks[1], (B, K, S, H), jnp.float32)
     v = jax.random.normal(ks[2], (B, K, H, S), jnp.float32)
-    q_start = jnp.array([40, 200])  # rows at different depths of the cache; keys past kv_len are garbage
+    q_start = jnp.array([40, S - 2 * T])
     kv_len = q_start + T
     want = attention_reference(q, k, v, q_start, kv_len, causal=causal, window=window)
+    past = jnp.arange(S)[None, None, :] >= kv_len[:, None, None]  # [B, 1, S]
+    k = jnp.where(past[..., None], jnp.nan, k)
+    v = jnp.where(past[:, :, None, :], jnp.nan, v)
     got = attention_tpu(q, k, v, q_start, kv_len, causal=causal, window=window, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("context", [4096, 32768, 131072])
+def test_the_kernel_moves_at_most_1_3x_the_byte_floor_at_long_contexts(context):
+    """27B verify (16 tokens, 24 / 4 heads of 256, bf16) at the loop's cache (context + 32 positions): the key
+    blocks it fetches over K, V, q and the output once (the floor)."""
+    T, N, K, H, S = 16, 24, 4, 256, context + 32
+    kv_len = context + T
+    floor = K * 2 * kv_len * H * 2 + 2 * T * N * H * 2
+    moved = traffic([context], [kv_len], T=T, N=N, K=K, H=H, S=S, itemsize=2)
+    assert floor <= moved <= 1.3 * floor
+    # a sliding window of 2048 reads about the window, whatever the context
+    windowed = traffic([context], [kv_len], T=T, N=N, K=K, H=H, S=S, itemsize=2, window=2048)
+    assert windowed <= K * 2 * (2048 + T + 2 * key_block(S)) * H * 2 + 2 * T * N * H * 2
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (jax[tpu])")

@@ -113,3 +113,15 @@ def test_the_cuda_error_names_the_plugin_install_docs_compile_gives():
     install = "pip install --no-deps jax-cuda12-plugin==0.10.2 jax-cuda12-pjrt==0.10.2"
     assert install in str(e.value)
     assert install in (Path(__file__).parents[2] / "docs" / "compile.md").read_text()
+
+
+def test_a_program_without_compiled_costs_is_costed_from_its_lowered_hlo_on_the_host():
+    """The CUDA plugin's compile-only GPU gives neither a compiled nor a lowered cost analysis (no client): the
+    report costs the lowered HLO with the host's CPU client (docs/compile.md's FLOPs and bytes, not "–")."""
+    import types
+
+    lowered = jax.jit(jnp.matmul).lower(jnp.zeros((64, 128)), jnp.zeros((128, 256)))
+    no_client = types.SimpleNamespace(cost_analysis=lambda: None, compiler_ir=lowered.compiler_ir)
+    cost = compile_report.lowered_cost(no_client)
+    assert cost["flops"] == 2 * 64 * 128 * 256
+    assert cost["bytes accessed"] == 4 * (64 * 128 + 128 * 256 + 64 * 256)
