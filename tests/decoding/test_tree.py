@@ -353,3 +353,55 @@ def test_greedy_tree_decoding_equals_plain_decoding(target):
         out = _generate(target, proposer, drafter.params, prompts, spec)
         np.testing.assert_array_equal(out.tokens, plain.tokens, err_msg=f"budget {budget}")
         assert np.asarray(out.accepted)[:, 1:].sum() > 0
+
+
+def test_sampled_tree_decoding_has_the_exact_distribution(monkeypatch):
+    """Sampling through draft trees: the first three tokens' joint distribution is plain sampling's, exactly
+    (enumerated); the same statistic rejects a walk that ignores the target's choices (the test has power).
+    The budget is the whole tree of depth 2 (every pair of tokens; the random drafter's partial trees miss the
+    sharp target's choices): each emitted token is the target's sample at the node of its path.
+    Partial trees are the greedy test's."""
+    from exact_stats import chi2_pvalue, exact_joint, sharp_tiny_target
+
+    from dflash_jax.config import DrafterConfig
+    from dflash_jax.decoding import tree as draft_tree
+    from dflash_jax.decoding.api import make_generate, pad_prompts
+    from dflash_jax.decoding.loop import SpecConfig
+    from dflash_jax.decoding.proposers import DFlashProposer
+    from dflash_jax.decoding.sampling import SamplingConfig
+    from dflash_jax.models.drafter import init_drafter
+
+    V = 4
+    target = sharp_tiny_target(V)
+    dcfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
+                         block_size=3, mask_token_id=V - 1, target_layer_ids=(0,), num_target_layers=2,
+                         layer_types=("full_attention",), sliding_window=None, is_causal=None,
+                         target_hidden_size=16)
+    drafter = init_drafter(dcfg, seed=4)
+    cfg = SamplingConfig(temperature=1.0)
+    prompt = np.array([1, 3, 2], np.int32)
+    joint3 = exact_joint(target, prompt, cfg).reshape(V, V, V)
+    N = 4000
+    spec = SpecConfig(block_size=3, max_new_tokens=3, sampling=cfg, stop_ids=(), tree_budget=V + V * V)
+    tokens, lengths = pad_prompts([prompt.tolist()] * N, 4)
+
+    def sample(spec):
+        fn = jax.jit(make_generate(target, DFlashProposer(dcfg, drafter.graphdef), spec))
+        out = fn((target.params, drafter.params), tokens, lengths, jax.random.key(7))
+        counts = np.bincount(np.ravel_multi_index(np.asarray(out.tokens).T, (V,) * 3), minlength=V**3)
+        return counts.reshape(V, V, V), np.asarray(out.accepted)
+
+    counts, accepted = sample(spec)
+    assert accepted[:, 1:].sum() > N // 2  # the trees' drafts were accepted
+    assert chi2_pvalue(counts.sum((0, 2)), joint3.sum((0, 2))) > 1e-4
+    assert chi2_pvalue(counts.sum((0, 1)), joint3.sum((0, 1))) > 1e-4
+    assert chi2_pvalue(counts.sum(0).ravel(), joint3.sum(0).ravel()) > 1e-4
+
+    def first_child_walk(tree, chosen, max_depth):  # a wrong rule: the first node is taken whatever was chosen
+        return walk(tree, chosen.at[:, 0].set(tree.tokens[:, 1]), max_depth)
+
+    walk = draft_tree.walk
+    monkeypatch.setattr(draft_tree, "walk", first_child_walk)
+    wrong, _ = sample(dataclasses.replace(spec, capacity=29))  # another capacity: a program with the patch
+    assert chi2_pvalue(wrong.sum(0).ravel(), joint3.sum(0).ravel()) < 1e-6
