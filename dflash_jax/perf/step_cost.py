@@ -135,11 +135,11 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
     diffs = {b: [] for b in long}
     order = [b for b in blocks if b in long]
     rounds = 0
+    say(f"timing blocks {', '.join(map(str, order))}: {repeats} interleaved rounds")
     for r in range(repeats):
         if r and spent():
             break
         rounds += 1
-        say(f"timing blocks {', '.join(map(str, order))}: round {r + 1} of {repeats}")
         for block in (order if r % 2 == 0 else order[::-1]):
             times = {n: seconds(block, n) for n in ((1, long[block]) if r % 2 == 0 else (long[block], 1))}
             diffs[block].append((times[long[block]] - times[1]) / (long[block] - 1))
