@@ -34,7 +34,10 @@ def test_generate_streams_and_summarises_on_the_shipped_models(capsys):
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):")
     # --block-size auto (the default) chose the block by cost, said why in one line, and used it
-    (why,) = [line for line in err.splitlines() if line.startswith("[block size auto: ")]
+    said = [line for line in err.splitlines() if line.startswith("[block size auto: ")]
+    *progress, why = said  # the phases as they start (calibration, sizing, timing), then the choice
+    assert progress[0].startswith("[block size auto: calibrating")
+    assert progress[-1].startswith("[block size auto: timing")
     block = int(why.split()[3])
     assert f"finish length, {'ar' if block == 1 else f'dflash:{block}'}, tau" in out
     assert "decode-only" in out and "tok/s" in out and "speed-up" in out and "end to end" in out
