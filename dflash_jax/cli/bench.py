@@ -46,6 +46,10 @@ def cmd_bench(args) -> int:
         raise ValueError(f"{', '.join(p.name for p in peer_list)} load the checkpoints: not with --random-config")
     if AUTO in methods and args.simulate_acceptance:
         raise ValueError(f"{AUTO} chooses from the drafter's real acceptance: not with --simulate-acceptance")
+    trees = [m.name for m in methods if getattr(m, "tree", None) is not None]
+    if trees and args.simulate_acceptance:
+        raise ValueError(f"{', '.join(trees)}: a draft tree is grown from the drafter's distributions; "
+                         "--simulate-acceptance replays chains only")
     # what the models are loaded for: the loop's methods, and a DFlash one for auto (its drafter)
     needed = [m for m in methods if isinstance(m, runtime.Method)] + ([runtime.Method("dflash", 2)]
                                                                       if AUTO in methods else [])

@@ -39,6 +39,13 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
     or that the chosen method would not use, are refused rather than dropped. ``--block-size auto`` (None)
     reads as the drafter's block here; ``cmd_generate`` then picks the block by cost (``auto_block``).
     """
+    if getattr(args, "method", None):
+        if spec is not None or args.block_size is not None:
+            raise ValueError("--method names the method itself: leave out --block-size and --speculative-config")
+        method = runtime.parse_method(args.method, "--method")
+        if method.kind == "dflash" and draft_block is None:
+            raise ValueError(f"--method {args.method} needs a drafter: give --draft-model DIR")
+        return method
     if spec is None:
         if args.block_size == 1:
             if args.draft_model:
@@ -155,7 +162,7 @@ def check_request(args) -> Request:
         draft_cfg = DrafterConfig.from_pretrained(draft_dir)
         draft_block = draft_cfg.block_size
     note = ""
-    if spec is None and draft_dir is None and args.block_size is None:  # --model DIR and nothing to draft with
+    if spec is None and draft_dir is None and args.block_size is None and not args.method:  # nothing to draft with
         if cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir):  # as vLLM: the model's own head
             method = runtime.Method("mtp", MTP_DEFAULT_STEPS + 1)
             note = (f"no drafter given: {model_dir} has an MTP head, so it drafts ({method.name}); --block-size 1 "
@@ -246,7 +253,8 @@ def cmd_generate(args) -> int:
         if (message := position_warning(target.cfg, [len(p)], args.max_new_tokens)) is not None:
             print(f"dflash-jax: warning: prompt {i + 1}: {message}", file=sys.stderr, flush=True)
     choice = None
-    if req.method.kind == "dflash" and auto_block(args):  # --block-size auto: the block chosen by cost
+    if req.method.kind == "dflash" and req.method.tree is None and not args.method and auto_block(args):
+        # --block-size auto: the block chosen by cost
         choice, _ = step_cost.choose(target, drafter, prompts, batch=len(prompts), draft_dir=req.draft_dir,
                                      key=(str(req.model_dir), str(req.draft_dir), dtype),
                                      max_new_tokens=args.max_new_tokens, sampling=req.sampling, seed=args.seed,
@@ -259,7 +267,7 @@ def cmd_generate(args) -> int:
     proposer, pparams = runtime.proposer_for(req.method, target, drafter)
     kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
               max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
-              mesh=mesh)
+              mesh=mesh, tree_budget=req.method.tree)
     note = (lambda m: None) if args.quiet else (lambda m: print(f"[{m}]", file=sys.stderr, flush=True))
     note(f"compiling {req.method.name} (prefill and one step) on {jax.default_backend()}…")
     records = []
@@ -324,6 +332,9 @@ def add_parser(sub) -> None:
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                    f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter")
+    g.add_argument("--method", help="the method by name, in place of --block-size/--speculative-config: ar, mtp:K, "
+                   "dflash:B, or ddtree:N (a draft tree of the N best continuations per step, depth <= 15; "
+                   "ddtree:N:B for block B)")
     g.add_argument("--block-size", type=block_size_flag, default=None, metavar="{auto,N}",
                    help="tokens per verify step (1 = plain decoding; vLLM/SGLang's speculative tokens + 1); auto "
                         "(default): the block with the most expected tokens/s for this batch, from the drafter's "

@@ -106,7 +106,7 @@ def make_generate(target: Target, proposer: Proposer = NoProposer(), spec: SpecC
     Args:
       target: the loaded target (its config and graph are used; its params are passed at call time).
       proposer: ``NoProposer()`` (plain decoding), ``DFlashProposer``, ``MTPProposer`` or ``OracleProposer``.
-      spec: block size, max_new_tokens, sampling, stop ids, capacity.
+      spec: block size, max_new_tokens, sampling, stop ids, capacity, tree budget (draft trees).
       mesh: a ``parallel.make_mesh`` mesh: concrete params and prompts are placed on it (``sharding``'s
         tables; already placed params stay) and the loop runs sharded. None: one device.
     Returns:
@@ -151,11 +151,13 @@ def bucket_for(length: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(length) - 1).bit_length())
 
 
-def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh):
+def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh,
+           tree_budget: int | None = None):
     """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
 
     ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
-    ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it.
+    ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it. ``tree_budget``: draft trees
+    (``SpecConfig.tree_budget``).
     """
     if drafter is None:
         proposer, pparams = NoProposer(), ()
@@ -164,7 +166,8 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     else:
         proposer, pparams = DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
     block = (proposer.max_block if drafter is not None else 1) if block_size is None else block_size
-    spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+    spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                      tree_budget=tree_budget)
     if block == 1:
         proposer, pparams = NoProposer(), ()
     rows = _token_rows(prompts)
@@ -174,7 +177,7 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     return loop, *_inputs(loop, (target.params, pparams), tokens, lengths)
 
 
-def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng) -> None:
+def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree_budget=None) -> None:
     """The arguments of ``generate`` / ``stream``, checked before anything is traced: a clear ValueError naming the
     argument instead of an error from deep inside JAX."""
     if not isinstance(target, Target):
@@ -189,7 +192,9 @@ def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng) -> N
     if not isinstance(sampling, SamplingConfig):
         raise ValueError(f"sampling must be a SamplingConfig (e.g. SamplingConfig(temperature=0.7, top_p=0.9)), got "
                          f"{type(sampling).__name__} {sampling!r}"[:300])
-    for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size)):
+    if tree_budget is not None and drafter is None:
+        raise ValueError(f"tree_budget {tree_budget!r}: draft trees need a DFlash drafter (drafter=)")
+    for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size), ("tree_budget", tree_budget)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     if isinstance(rng, bool) or not (isinstance(rng, numbers.Integral) or hasattr(rng, "dtype")):
@@ -201,31 +206,32 @@ def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng) -> N
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-             rng=0, mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+             rng=0, mesh: jax.sharding.Mesh | None = None, tree_budget: int | None = None) -> GenerateOutput:
     """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
 
     Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
     compiled program. Without a drafter (or with block_size=1) this is plain decoding; block_size
     defaults to the drafter's. With a ``mesh`` the run is sharded (see ``make_generate``); across
-    processes the output's rows are spread over them (``parallel.host`` gathers them).
+    processes the output's rows are spread over them (``parallel.host`` gathers them). ``tree_budget`` N
+    drafts a tree of the N best prefixes of depth <= block_size - 1 per step (DDTree, ``decoding.tree``).
     """
-    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng)
+    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree_budget)
     loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
-                                           mesh)
+                                           mesh, tree_budget)
     return loop.run(params, tokens, lengths, rng)
 
 
 def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
            sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-           rng=0, mesh: jax.sharding.Mesh | None = None) -> Iterator[list[list[int]]]:
+           rng=0, mesh: jax.sharding.Mesh | None = None, tree_budget: int | None = None) -> Iterator[list[list[int]]]:
     """Like ``generate`` but yields, after prefill and after every target step, the new tokens per row.
 
     The host drives the same jitted step the on-device loop runs, so the tokens are identical.
     The generator's return value (``StopIteration.value``) is the final ``GenerateOutput``.
     """
-    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng)
+    _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree_budget)
     loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
-                                           mesh)
+                                           mesh, tree_budget)
     state = loop.init(params, tokens, lengths, rng)
     shown = np.zeros(len(lengths), np.int32)
     while True:

@@ -154,26 +154,35 @@ def encoding_name(tokenizer, chat: str, thinking: bool) -> str:
 class Method:
     """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B; any DFlash
     drafter, whose checkpoint decides its generation). ``dflash2:B`` is kind "dflash" with ``dflash2`` set: the
-    same loop and proposer, and the drafter must be a DFlash2 one (``check_blocks``)."""
+    same loop and proposer, and the drafter must be a DFlash2 one (``check_blocks``). ``ddtree:N`` is kind
+    "dflash" with ``tree`` N: a draft tree of the N best prefixes of depth <= block - 1 per step (block
+    ``TREE_BLOCK``, z-lab's; ``ddtree:N:B`` another)."""
 
     kind: str
     block: int
     dflash2: bool = False
+    tree: int | None = None
 
     @property
     def name(self) -> str:
+        if self.tree is not None:
+            return f"ddtree:{self.tree}" + ("" if self.block == TREE_BLOCK else f":{self.block}")
         dflash = f"dflash2:{self.block}" if self.dflash2 else f"dflash:{self.block}"
         return {"ar": "ar", "mtp": f"mtp:{self.block - 1}", "dflash": dflash}[self.kind]
 
 
 AR = Method("ar", 1)
+TREE_BLOCK = 16  # a draft tree's block (depth + 1) unless ``ddtree:N:B`` says otherwise
 
 
 def parse_method(item: str, flag: str = "--methods") -> Method:
-    """'ar', 'mtp:K' (K in 1..15), 'dflash:B' or 'dflash2:B' (B >= 2) -> Method; errors name ``flag``."""
+    """'ar', 'mtp:K' (K in 1..15), 'dflash:B' or 'dflash2:B' (B >= 2), 'ddtree:N[:B]' -> Method; errors name
+    ``flag``."""
     item = item.strip()
     if item == "ar":
         return AR
+    if item.startswith("ddtree:"):
+        return _parse_tree(item, flag)
     kind, _, arg = item.partition(":")
     if kind not in ("mtp", "dflash", "dflash2") or not arg.isdigit():
         raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15), dflash:B or dflash2:B "
@@ -186,6 +195,18 @@ def parse_method(item: str, flag: str = "--methods") -> Method:
     if kind == "dflash2":
         return Method("dflash", n, dflash2=True)
     return Method(kind, n + 1 if kind == "mtp" else n)
+
+
+def _parse_tree(item: str, flag: str) -> Method:
+    """'ddtree:N' or 'ddtree:N:B' (N >= 1 nodes besides the root, block B >= 2) -> Method."""
+    parts = item.split(":")[1:]
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{flag}: cannot parse {item!r}; expected ddtree:N (a draft tree of N nodes, block "
+                         f"{TREE_BLOCK}) or ddtree:N:B (block B)")
+    n, block = int(parts[0]), int(parts[1]) if len(parts) == 2 else TREE_BLOCK
+    if n < 1 or block < 2:
+        raise ValueError(f"{flag}: {item!r}: the tree budget N must be >= 1 and the block B >= 2")
+    return Method("dflash", block, tree=n)
 
 
 def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None):

@@ -251,7 +251,7 @@ def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batc
     """
     if method.kind == "ar":
         return 1.0
-    if method.kind != "dflash":
+    if method.kind != "dflash" or method.tree is not None:  # a tree's verify width is not modelled
         return None
     return round(roofline.measured_ceiling(target_cfg, drafter_cfg, block=method.block, tau=tau, batch=batch,
                                            context=context, dtype=jnp.dtype(dtype)), 3)
@@ -266,7 +266,8 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
                                   vocab_size=target.cfg.vocab_size)
     loops, params = {}, {}
     for m, prop, pp in ((method, proposer, pparams), (runtime.AR, *runtime.proposer_for(runtime.AR, target, None))):
-        spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids)
+        spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                          tree_budget=m.tree)
         loops[m.name], params[m.name] = method_loop(target, prop, pp, spec, mesh)
     names = list(dict.fromkeys([method.name, "ar"]))  # --block-size 1: ar against itself, two timed runs
     runs = {f"{n}#{i}": functools.partial(_run_one, loops[n], params[n], [(tokens, lengths)], seed)
@@ -488,7 +489,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
         for m in loop_methods:
             progress.set_postfix_str(f"{workload} c={conc}: building {m.name}")  # the phases the bar does not count
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                              stop_ids=stop_ids)
+                              stop_ids=stop_ids, tree_budget=m.tree)
             loops[m], params[m] = method_loop(target, *runtime.proposer_for(m, target, drafter), spec, mesh,
                                               simulate=simulate is not None and m.kind != "ar")
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
@@ -502,7 +503,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
 
         context = mean_context(prompts, args.max_new_tokens)
         floors = {m: floor_timer(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
-                                 context=context, dtype=args.dtype) for m in loop_methods if m.kind != "mtp"}
+                                 context=context, dtype=args.dtype)
+                  for m in loop_methods if m.kind != "mtp" and m.tree is None}  # a tree's floor is not modelled
         runs = {m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in loop_methods}
         eos = () if args.ignore_eos else tuple(target.cfg.eos_token_ids)
         runs |= {p: peers.runner(p, peer_models, [[prompts[i] for i in rows] for rows in batches],

@@ -405,3 +405,36 @@ def test_sampled_tree_decoding_has_the_exact_distribution(monkeypatch):
     monkeypatch.setattr(draft_tree, "walk", first_child_walk)
     wrong, _ = sample(dataclasses.replace(spec, capacity=29))  # another capacity: a program with the patch
     assert chi2_pvalue(wrong.sum(0).ravel(), joint3.sum(0).ravel()) < 1e-6
+
+
+# ---- the method everywhere: names, generate and stream ----
+
+
+def test_ddtree_method_names():
+    from dflash_jax.decoding import runtime
+
+    m = runtime.parse_method("ddtree:64", "--method")
+    assert (m.kind, m.block, m.tree, m.name) == ("dflash", 16, 64, "ddtree:64")
+    m = runtime.parse_method("ddtree:8:4")
+    assert (m.block, m.tree, m.name) == (4, 8, "ddtree:8:4")
+    for bad in ("ddtree:", "ddtree:0", "ddtree:x", "ddtree:4:1", "ddtree:1:2:3"):
+        with pytest.raises(ValueError, match="--method"):
+            runtime.parse_method(bad, "--method")
+
+
+def test_generate_and_stream_take_a_tree_budget(target):
+    """``generate(..., tree_budget=N)`` and ``stream`` emit plain decoding's tokens (greedy); bad budgets and a
+    tree without a drafter are one-line errors."""
+    from dflash_jax.decoding.api import generate, stream
+
+    drafter = _drafter(target)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    plain = generate(target, prompts, max_new_tokens=10, stop_ids=())
+    tree = generate(target, prompts, drafter=drafter, max_new_tokens=10, stop_ids=(), tree_budget=6)
+    assert tree.token_lists() == plain.token_lists()
+    steps = list(stream(target, prompts, drafter=drafter, max_new_tokens=10, stop_ids=(), tree_budget=6))
+    assert [sum((s[b] for s in steps), []) for b in range(2)] == plain.token_lists()
+    with pytest.raises(ValueError, match="tree_budget must be an integer >= 1"):
+        generate(target, prompts, drafter=drafter, tree_budget=0)
+    with pytest.raises(ValueError, match="need a DFlash drafter"):
+        generate(target, prompts, tree_budget=4)
