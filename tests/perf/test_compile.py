@@ -125,3 +125,14 @@ def test_a_program_without_compiled_costs_is_costed_from_its_lowered_hlo_on_the_
     cost = compile_report.lowered_cost(no_client)
     assert cost["flops"] == 2 * 64 * 128 * 256
     assert cost["bytes accessed"] == 4 * (64 * 128 + 128 * 256 + 64 * 256)
+
+
+def test_a_27b_shaped_decode_with_four_layers_compiles_for_a_v5p_chip_near_its_byte_floor():
+    """Qwen3.5-27B's layer shapes (3 Gated DeltaNet layers and a full-attention one, the vocabulary's embedding and
+    LM head) with the TPU kernels: a positive time estimate, and bytes within 1.3x the roofline's floor."""
+    v5p = compile_report.tpu_devices("v5p:2x2x1")
+    setup = compile_report.real_setup("27b", v5p, layers=4, kernels="tpu", context=1024)
+    (row,) = compile_report.report(setup, ("decode",))
+    assert row["shape"] == "27b/4L" and row["device"] == "TPU v5p" and row["fits"]
+    assert row["optimal_seconds"] > 0
+    assert row["floor_bytes"] <= row["bytes_accessed"] <= 1.3 * row["floor_bytes"]
