@@ -164,7 +164,7 @@ def _unit_lower_inverse_xla(a):
     return inv[..., :C, :C]
 
 
-def _verify_block(q, k, v, g, beta, state, tree=None):
+def _verify_block(q, k, v, g, beta, state, tree=None, tree_depth=None):
     """``gdn_verify``'s XLA path: the T tokens as one chunk of the WY form, outputs and writes only.
 
     With G the cumulative log-decay and Gamma_ij = e^(G_i - G_j) (j <= i), the writes solve
@@ -176,7 +176,11 @@ def _verify_block(q, k, v, g, beta, state, tree=None):
     children) is the same system with the ancestor mask where the chain has the lower triangle and
     path-cumulative log-decays G_i = sum of g over the root -> i path where it has prefix sums: token i
     gets exactly the output and write of the recurrence run along its own path (frontier.md section 2).
-    The chain is the tree whose mask is the lower triangle.
+    The chain is the tree whose mask is the lower triangle. With ``tree_depth`` D (static; no token deeper
+    than D below the root) the solve is forward substitution by depth instead of the inverse: D rounds of
+    u <- rhs - A u, after which every token of depth <= D holds its final write (a token's only depends on
+    its ancestors', all shallower; A is nilpotent of index D + 1): D T^2 Dv multiply-adds per head where the
+    doubling inverse takes ~2 log2(T) T^3 (T = 65, D = 15: ~8x fewer), in the same rounding as substitution.
     """
     T, Hv = g.shape[1], v.shape[2]
     f32 = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 2)  # noqa: E731  [B, T, H, ...] -> [B, H, T, ...]
@@ -194,7 +198,12 @@ def _verify_block(q, k, v, g, beta, state, tree=None):
     read = jnp.einsum("bhid,bhdv->bhiv", qk, state.astype(jnp.float32), precision=HIGHEST)  # [B, Hv, 2T, Dv]
     a = jnp.where(strict, beta * dots[:, :, T:] * decay, 0.0)
     rhs = beta * (v - jnp.exp(G) * read[:, :, T:])
-    u = jnp.einsum("bhij,bhjv->bhiv", _unit_lower_inverse_xla(a), rhs, precision=HIGHEST)
+    if tree is not None and tree_depth is not None:
+        u = rhs
+        for _ in range(tree_depth):  # after round d every token of depth <= d is final
+            u = rhs - jnp.einsum("bhij,bhjv->bhiv", a, u, precision=HIGHEST)
+    else:
+        u = jnp.einsum("bhij,bhjv->bhiv", _unit_lower_inverse_xla(a), rhs, precision=HIGHEST)
     o = jnp.exp(G) * read[:, :, :T] + jnp.einsum("bhij,bhjv->bhiv", dots[:, :, :T] * decay, u, precision=HIGHEST)
     return jnp.moveaxis(o, 1, 2), jnp.moveaxis(u, 1, 2)
 
@@ -522,20 +531,21 @@ def _tree_fallback() -> None:
                                         "the XLA closed form (_verify_block) instead")
 
 
-def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None):
+def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None):
     """Verify outputs and writes without a state write; same contract as ``gdn_verify_reference``.
 
     The XLA path runs the T tokens as one chunk of the WY form (``_verify_block``: a few batched matmuls)
     instead of the token scan, whose 16 trips cost more dispatch than their FLOPs in the fused CPU loop.
     ``tree`` [B, T, T] bool (each token's ancestors and itself; parents before children): every token
     along its own root -> token path, a draft tree's verify. The Pallas kernel walks a chain only, so a
-    tree runs the XLA path in every mode (said once in the log).
+    tree runs the XLA path in every mode (said once in the log). ``tree_depth`` (static): the deepest token's
+    depth, when known (a draft tree's: block - 1), for the cheaper solve of ``_verify_block``.
     """
     mode = dispatch.resolve(impl)
     if tree is not None and mode != "reference":
         _tree_fallback()
     if mode == "reference" or tree is not None:
-        return _verify_block(q, k, v, g, beta, state, tree)
+        return _verify_block(q, k, v, g, beta, state, tree, tree_depth)
     run = functools.partial(gdn_verify_pallas, interpret=mode == "interpret")
     return run(q, k, v, g, beta, state)
 

@@ -16,6 +16,12 @@ anchor plus the a drafts (n = a + 1) in the target and the proposer. Block size 
 plain autoregressive decoding through the same code: the baseline every speed-up is measured against.
 A row whose target logits have no finite peak (a NaN, a +inf or all -inf after the temperature: NaN
 weights, overflow) stops with ``FinishReason.NONFINITE`` and emits nothing from that step on.
+
+With ``SpecConfig.tree_budget`` N the draft is a tree (``decoding/tree.py``: the N best prefixes of the
+drafter's block distributions, depth <= block_size - 1), verified in one pass of N + 1 tokens
+(``target.verify(parents=)``); the target's choices are walked down it, and the accepted path is then
+handled as the chain it is: its drafts, its nodes' logits (emission, stop ids, finiteness), its taps (the
+proposer's commit) and ``commit(cache, n, path)``.
 """
 
 from __future__ import annotations
@@ -385,7 +391,8 @@ class SpeculativeLoop:
         """Phase 2: the target verifies [anchor, d_1 .. d_k]."""
         block = jnp.concatenate([state.anchor[:, None], draft.tokens], axis=1)  # [B, k+1] (a tree: [B, N+1])
         parents = None if draft.tree is None else draft.tree.parents
-        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps, parents=parents)
+        out, cache = verify(self.graphdef, params[0], block, state.cache, taps=self.proposer.taps, parents=parents,
+                            tree_depth=None if parents is None else self.spec.block_size - 1)
         return Verified(out=out, cache=self._pin(cache, block.shape[0]))
 
     @_phase()

@@ -57,6 +57,8 @@ class Tree:
     mask: jax.Array  # [B, T, T] bool: row t marks t's ancestors and t itself
     up: jax.Array  # [B, T, A] int32: t's m-th ancestor (m = 0 .. A-1; 0 is t), or -(m - depth) past the
     #   root: the conv window's input that many places before the root
+    max_depth: int | None = dataclasses.field(default=None, metadata=dict(static=True))  # no token deeper
+    #   (static, e.g. a draft tree's block - 1; None: up to T - 1)
 
 
 @jax.tree_util.register_dataclass

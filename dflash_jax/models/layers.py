@@ -471,7 +471,8 @@ class GatedDeltaNet(nnx.Module):
             o, u = _gdn(run, self.kernels, (q, k, v, g, beta, cache.state), (_QK, _QK, _V, _GATE, _GATE, _STATE),
                         (_V, _V), k, v)
         else:  # the XLA path (partitioned like any op on a mesh)
-            o, u = kernels.gdn_verify(q, k, v, g, beta, cache.state, impl=self.kernels, tree=tree.mask)
+            o, u = kernels.gdn_verify(q, k, v, g, beta, cache.state, impl=self.kernels, tree=tree.mask,
+                                      tree_depth=tree.max_depth)
         pending = GDNPending(mixed=mixed, k=k, u=u, g=g, kernels=self.kernels)
         return self._output(o, z, x.dtype), GDNCache(conv=cache.conv, state=cache.state, pending=pending)
 

@@ -211,8 +211,9 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
     return out, dataclasses.replace(cache, lengths=lengths, layers=tuple(layers))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
-def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None):
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps", "tree_depth"), donate_argnames=("cache",))
+def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None,
+           tree_depth: int | None = None):
     """Runs T tokens per row at positions lengths[b] + t, deciding nothing.
 
     Args:
@@ -223,12 +224,14 @@ def verify(graphdef, params, tokens, cache: TargetCache, *, taps: tuple[int, ...
         (< t; the root's, parents[:, 0], is ignored). Token t is then at position lengths[b] + its depth and
         sees the cache and its own ancestors in every layer (``tree_of``): its logits and taps are those
         of its root -> t path run alone as a chain. Its K/V still go to row lengths[b] + t.
+      tree_depth: (static, with ``parents``) no token is deeper than this below the root (a draft tree's
+        block - 1): the tree's ancestors and its GDN solve then take that many rounds, not T - 1.
     Returns:
       (TargetOutput with logits [B, T, V], the cache with K/V rows written and GDN inputs pending);
       pass it to ``commit(cache, n)`` (a chain) or ``commit(cache, n, path)`` (a tree).
     """
     model = nnx.merge(graphdef, params)
-    tree = None if parents is None else tree_of(parents, model.cfg.linear_conv_kernel_dim)
+    tree = None if parents is None else tree_of(parents, model.cfg.linear_conv_kernel_dim, tree_depth)
     hidden, tap_out, layers = _run(model, tokens, cache, None, taps, tree)
     out = TargetOutput(logits=model.logits(hidden), taps=tap_out, hidden=hidden)
     return out, dataclasses.replace(cache, layers=tuple(layers))
@@ -282,9 +285,10 @@ def _gather_path(cache: TargetCache, path: jax.Array) -> TargetCache:
     return dataclasses.replace(cache, layers=layers)
 
 
-def tree_of(parents: jax.Array, ancestors: int) -> Tree:
+def tree_of(parents: jax.Array, ancestors: int, max_depth: int | None = None) -> Tree:
     """The ``Tree`` of parent indices [B, T] (parents[:, t] < t for t >= 1; the root's is ignored), with each
-    token's first ``ancestors`` ancestors (itself first) for the Gated DeltaNet conv (its kernel width)."""
+    token's first ``ancestors`` ancestors (itself first) for the Gated DeltaNet conv (its kernel width);
+    ``max_depth`` (static): no token is deeper (None: T - 1)."""
     B, T = parents.shape
     parents = parents.astype(jnp.int32).at[:, 0].set(-1)
     idx = jnp.arange(T, dtype=jnp.int32)
@@ -302,8 +306,9 @@ def tree_of(parents: jax.Array, ancestors: int) -> Tree:
         ptr = hop(ptr)
         return ptr, mask | (ptr[..., None] == idx)
 
-    _, mask = jax.lax.fori_loop(0, T - 1, climb, (ptr, ptr[..., None] == idx))
-    return Tree(depths=mask.sum(-1, dtype=jnp.int32) - 1, mask=mask, up=jnp.stack(up, axis=-1))
+    depth = T - 1 if max_depth is None else min(max_depth, T - 1)
+    _, mask = jax.lax.fori_loop(0, depth, climb, (ptr, ptr[..., None] == idx))
+    return Tree(depths=mask.sum(-1, dtype=jnp.int32) - 1, mask=mask, up=jnp.stack(up, axis=-1), max_depth=depth)
 
 
 def forward(graphdef, params, tokens, *, taps: tuple[int, ...] = ()) -> TargetOutput:
@@ -335,7 +340,8 @@ class Target(SplitModel):
         return prefill(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32),
                        jnp.asarray(lengths, jnp.int32), capacity=capacity, taps=tuple(taps))
 
-    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None):
+    def verify(self, tokens, cache: TargetCache, *, taps: tuple[int, ...] = (), parents=None,
+               tree_depth: int | None = None):
         if parents is not None:
             parents = jnp.asarray(parents, jnp.int32)
             if parents.shape != jnp.shape(tokens):
@@ -344,7 +350,7 @@ class Target(SplitModel):
                     (parents[:, 1:] >= jnp.arange(1, parents.shape[1])).any() | (parents[:, 1:] < 0).any()):
                 raise ValueError("verify: parents must precede their children (0 <= parents[:, t] < t for t >= 1)")
         return verify(self.graphdef, self.params, jnp.asarray(tokens, jnp.int32), cache, taps=tuple(taps),
-                      parents=parents)
+                      parents=parents, tree_depth=tree_depth)
 
     @staticmethod
     def commit(cache: TargetCache, n, path=None) -> TargetCache:

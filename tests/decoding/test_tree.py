@@ -168,8 +168,8 @@ def _tree_closed_form(q, k, v, g, beta, S0, mask):
 def test_tree_closed_form_equals_the_recurrence_along_each_path():
     """The tree form of the gated delta rule (one triangular solve for every node) against the recurrence
     run along each node's path: the math in float64 (numpy, to 1e-12), then ``kernels.gdn_verify``'s tree
-    form in f32, and the commit's replay of a path's writes (the chain's closed form on gathered inputs)
-    against the path's recurrent state."""
+    form in f32 (by the inverse, and by depth rounds), and the commit's replay of a path's writes (the
+    chain's closed form on gathered inputs) against the path's recurrent state."""
     rng = np.random.default_rng(3)
     B, T, Hk, Hv, Dk, Dv = 2, 12, 1, 2, 4, 3
     k = rng.normal(size=(B, T, Hk, Dk))
@@ -184,6 +184,12 @@ def test_tree_closed_form_equals_the_recurrence_along_each_path():
     mask = np.asarray(tree.mask)
     f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v, g, beta, S0)]
     o, u = (np.asarray(x) for x in kernels.gdn_verify(*f32, impl="reference", tree=tree.mask))
+    deepest = int(np.asarray(tree.depths).max())  # the solve by depth rounds (a draft tree's) gives the same
+    by_depth = kernels.gdn_verify(*f32, impl="reference", tree=tree.mask, tree_depth=deepest)
+    np.testing.assert_allclose(by_depth[0], o, atol=2e-5)
+    np.testing.assert_allclose(by_depth[1], u, atol=2e-5)
+    short = kernels.gdn_verify(*f32, impl="reference", tree=tree.mask, tree_depth=deepest - 1)
+    assert np.abs(np.asarray(short[1]) - u).max() > 1e-5  # one round short leaves the deepest tokens unsolved
     for b in range(B):
         for h in range(Hv):
             args = (q[b, :, 0], k[b, :, 0], v[b, :, h], g[b, :, h], beta[b, :, h], S0[b, h])
