@@ -19,7 +19,6 @@ whether greedy or sampled drafts accept more on the same contexts.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -134,12 +133,15 @@ def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: Ro
                          steps=steps, tokens=tokens, row_tau=np.asarray(loop.output(state).tau))
 
 
-def table(assets: str | Path, *, temperatures=(0.0, 0.7, 1.0), draft_modes=DRAFT_MODES, block_size: int = 16,
-          n_prompts: int = 16, max_new_tokens: int = 128, seed: int = 0,
-          drafter: str | Path | None = None) -> list[dict]:
+def table(assets: str | Path = Path(__file__).parents[1] / "assets", *, temperatures=(0.0, 0.7, 1.0),
+          draft_modes=DRAFT_MODES, block_size: int = 16, n_prompts: int = 16, max_new_tokens: int = 128,
+          seed: int = 0, drafter: str | Path | None = None, json_out: str | Path | None = None) -> list[dict]:
     """τ and per-position acceptance of the pair in ``assets`` (``target/``, ``drafter/``; ``drafter`` another
     drafter folder) on ``evaluate.eval_prompts`` (HumanEval/0..n-1), no stop ids, one row per (temperature,
-    draft mode); greedy decoding once."""
+    draft mode; greedy decoding once), printed as they come and written to ``json_out`` when given::
+
+        python -c "from dflash_jax.perf.acceptance import table; table(temperatures=(0, 0.7))"
+    """
     from dflash_jax.decoding.api import bucket_for, pad_prompts
     from dflash_jax.decoding.proposers import DFlashProposer
     from dflash_jax.models.drafter import load_drafter
@@ -166,28 +168,7 @@ def table(assets: str | Path, *, temperatures=(0.0, 0.7, 1.0), draft_modes=DRAFT
             print(f"T={t:g} drafts={mode}: tau {stats.tau:.3f}  z {stats.z():+.2f}  positions 1-4: accepted "
                   f"{first['accepted']} rule {first['rule']} sum-min(p,q) {first['overlap']} max-p {first['top']}",
                   flush=True)
+    if json_out:
+        Path(json_out).write_text(json.dumps(rows, indent=1))
     return rows
 
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.perf.acceptance",
-                                 description="τ and per-position acceptance (measured vs the rule's) of a DFlash pair")
-    ap.add_argument("--assets", default=str(Path(__file__).parents[1] / "assets"),
-                    help="folder with target/ and drafter/ (default: the shipped pair)")
-    ap.add_argument("--drafter", default=None, help="another drafter folder (default: ASSETS/drafter)")
-    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0, 0.7, 1.0])
-    ap.add_argument("--draft-mode", nargs="+", choices=DRAFT_MODES, default=list(DRAFT_MODES))
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--prompts", type=int, default=16, help="HumanEval/0..N-1")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=None, help="write the rows to this file")
-    args = ap.parse_args(argv)
-    rows = table(args.assets, temperatures=args.temperature, draft_modes=args.draft_mode, block_size=args.block_size,
-                 n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, seed=args.seed, drafter=args.drafter)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-
-
-if __name__ == "__main__":
-    main()

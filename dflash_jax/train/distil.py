@@ -10,12 +10,11 @@ Stages, each resumable in ``--work`` (a stage whose file exists is skipped; trai
 checkpoint): ``data.npz`` (continuations), ``taps.npy`` / ``hidden.npy`` (the frozen target's features),
 ``ckpt/`` and ``progress.jsonl`` (training), ``drafter/`` (the result, same size and format as the input).
 
-    python -m dflash_jax.train.distil --work WORK [--assets dflash_jax/assets] [--steps N]
+    python -c "from dflash_jax.train.distil import run; run('WORK', per_temperature=768, steps=450)"
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -66,51 +65,37 @@ def build_data(target: Target, tok, *, per_temperature: int, temperatures: tuple
     return np.concatenate(seqs)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", required=True, type=Path)
-    ap.add_argument("--assets", default="dflash_jax/assets", type=Path)
-    ap.add_argument("--init", default=None, type=Path, help="the drafter to start from (default: ASSETS/drafter)")
-    ap.add_argument("--per-temperature", type=int, default=512)
-    ap.add_argument("--temperatures", default="0,0.7,1.0")
-    ap.add_argument("--distil-temperature", type=float, default=0.7)
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--stop-at", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--anchors", type=int, default=16)
-    args = ap.parse_args(argv)
-    work = args.work
+def run(work: str | Path, *, assets: str | Path = "dflash_jax/assets", init: str | Path | None = None,
+        per_temperature: int = 512, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0), distil_temperature: float = 0.7,
+        steps: int = 1000, stop_at: int = 0, lr: float = 5e-4, batch: int = 8, anchors: int = 16):
+    """All stages in ``work`` (see the module's docstring); ``init``: the drafter to start from (default
+    ASSETS/drafter). Returns the distilled ``Drafter``, also saved to WORK/drafter."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in locals().items()}
+    work, assets = Path(work), Path(assets)
     work.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.assets / "target", jnp.float32, progress=False)
-    shipped = load_drafter(args.init or args.assets / "drafter", target, progress=False)
+    target = load_target(assets / "target", jnp.float32, progress=False)
+    start = load_drafter(Path(init) if init else assets / "drafter", target, progress=False)
     prompt_len, t0 = 64, time.time()
     if not (work / "data.npz").exists():
-        temps = tuple(float(t) for t in args.temperatures.split(","))
-        seqs = build_data(target, tk.load(args.assets / "target"), per_temperature=args.per_temperature,
-                          temperatures=temps, prompt_len=prompt_len, new_tokens=128, batch=128)
-        np.savez(work / "data.tmp.npz", tokens=seqs, temperatures=np.repeat(temps, args.per_temperature))
+        seqs = build_data(target, tk.load(assets / "target"), per_temperature=per_temperature,
+                          temperatures=tuple(temperatures), prompt_len=prompt_len, new_tokens=128, batch=128)
+        np.savez(work / "data.tmp.npz", tokens=seqs, temperatures=np.repeat(temperatures, per_temperature))
         (work / "data.tmp.npz").rename(work / "data.npz")
         print(f"[distil] data: {seqs.shape} in {time.time() - t0:.0f} s", flush=True)
     seqs = np.load(work / "data.npz")["tokens"]
     if not (work / "hidden.npy").exists():
-        taps, hidden = dtrain.compute_features(target, seqs, shipped.cfg.target_layer_ids, progress=False)
+        taps, hidden = dtrain.compute_features(target, seqs, start.cfg.target_layer_ids, progress=False)
         np.save(work / "taps.npy", taps)
         np.save(work / "hidden.tmp.npy", hidden)
         (work / "hidden.tmp.npy").rename(work / "hidden.npy")
         print(f"[distil] features in {time.time() - t0:.0f} s", flush=True)
-    tcfg = loop.TrainConfig(steps=args.steps, lr=args.lr, ckpt_every=25, stop_at=args.stop_at)
+    tcfg = loop.TrainConfig(steps=steps, lr=lr, ckpt_every=25, stop_at=stop_at)
     drafter, res = dtrain.train_drafter(
-        target, shipped.cfg, seqs, prompt_len, tcfg, anchors=args.anchors, batch=args.batch, seed=0,
+        target, start.cfg, seqs, prompt_len, tcfg, anchors=anchors, batch=batch, seed=0,
         ckpt_dir=work / "ckpt", log_file=work / "progress.jsonl", taps=np.load(work / "taps.npy", mmap_mode="r"),
-        hidden=np.load(work / "hidden.npy", mmap_mode="r"), distil_temperature=args.distil_temperature,
-        init=shipped)
+        hidden=np.load(work / "hidden.npy", mmap_mode="r"), distil_temperature=distil_temperature, init=start)
     save_drafter(work / "drafter", drafter)
-    (work / "distil_log.json").write_text(json.dumps({**vars(args), "work": str(work), "assets": str(args.assets),
-                                                      "init": str(args.init),
-                                                      "steps_done": res.step, "seconds": time.time() - t0}))
+    (work / "distil_log.json").write_text(json.dumps({**settings, "steps_done": res.step,
+                                                      "seconds": time.time() - t0}))
     print(f"[distil] done: {res.step} steps, {time.time() - t0:.0f} s", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    return drafter
