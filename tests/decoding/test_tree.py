@@ -444,3 +444,19 @@ def test_generate_and_stream_take_a_tree_budget(target):
         generate(target, prompts, drafter=drafter, tree_budget=0)
     with pytest.raises(ValueError, match="need a DFlash drafter"):
         generate(target, prompts, tree_budget=4)
+
+
+def test_generate_cli_method_flag():
+    """``dflash-jax generate --method ddtree:N``: the method by name; with --block-size it is refused."""
+    import argparse
+
+    from dflash_jax.cli import generate as cli_generate
+
+    args = argparse.Namespace(block_size=None, draft_model="d", method="ddtree:32")
+    method = cli_generate.method_from_flags(args, None, 16)
+    assert (method.name, method.block, method.tree) == ("ddtree:32", 16, 32)
+    with pytest.raises(ValueError, match="leave out --block-size"):
+        cli_generate.method_from_flags(argparse.Namespace(block_size=8, draft_model="d", method="ddtree:32"), None, 16)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        cli_generate.method_from_flags(argparse.Namespace(block_size=None, draft_model=None, method="ddtree:8"),
+                                       None, None)
