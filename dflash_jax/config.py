@@ -533,7 +533,8 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
-    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers): field names and layouts as its config.json."""
+    """A z-lab DFlash drafter (``DFlashDraftModel``, Qwen3 layers; with the four DFlash2 fields set, a
+    ``DFlash2DraftModel``): field names and layouts as its config.json."""
 
     hidden_size: int
     num_hidden_layers: int
