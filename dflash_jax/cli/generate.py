@@ -333,7 +333,8 @@ def add_parser(sub) -> None:
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                    f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter")
     g.add_argument("--method", help="the method by name, in place of --block-size/--speculative-config: ar, mtp:K, "
-                   "dflash:B, or ddtree:N (a draft tree of the N best continuations per step, depth <= 15; "
+                   "dflash:B, dflash2:B (dflash:B, refused unless the drafter is a DFlash2 one), or ddtree:N "
+                   "(a draft tree of the N best continuations per step, depth <= 15; "
                    "ddtree:N:B for block B)")
     g.add_argument("--block-size", type=block_size_flag, default=None, metavar="{auto,N}",
                    help="tokens per verify step (1 = plain decoding; vLLM/SGLang's speculative tokens + 1); auto "
