@@ -175,7 +175,8 @@ def _verify_block(q, k, v, g, beta, state, tree=None, tree_depth=None):
     A tree (``tree`` [B, T, T] bool, row i the ancestors of token i and i itself; parents precede
     children) is the same system with the ancestor mask where the chain has the lower triangle and
     path-cumulative log-decays G_i = sum of g over the root -> i path where it has prefix sums: token i
-    gets exactly the output and write of the recurrence run along its own path (frontier.md section 2).
+    gets exactly the output and write of the recurrence run along its own path (the WY form on a tree, as
+    in TreeWY, arXiv 2608.20961; checked in float64 against the per-path recurrence in the tests).
     The chain is the tree whose mask is the lower triangle. With ``tree_depth`` D (static; no token deeper
     than D below the root) the solve is forward substitution by depth instead of the inverse: D rounds of
     u <- rhs - A u, after which every token of depth <= D holds its final write (a token's only depends on
