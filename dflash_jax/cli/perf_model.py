@@ -14,6 +14,8 @@ def cmd_perf_model(args) -> int:
     unknown = [s for s in args.shapes.split(",") if s not in synthetic.REAL_SHAPES]
     if unknown:
         raise ValueError(f"--shapes: unknown {unknown}; expected some of {', '.join(synthetic.REAL_SHAPES)}")
+    if not 1 <= args.tau <= args.block:  # also refuses NaN
+        raise ValueError(f"--tau must be in [1, --block {args.block}] (tokens per target step), got {args.tau}")
     rep = perf_model.report(tuple(args.shapes.split(",")), tuple(args.batches), args.block, args.context, args.tau)
     print(perf_model.format_report(rep))
     if args.json:
@@ -27,8 +29,8 @@ def add_parser(sub) -> None:
                        description=perf_model.__doc__.split("\n")[0])
     p.add_argument("--shapes", default="27b,35b-a3b", help="comma-separated real shapes (synthetic.REAL_SHAPES)")
     p.add_argument("--batches", type=cli_args.ints, default="1,32", help="comma-separated batch sizes")
-    p.add_argument("--block", type=int, default=16, help="DFlash block size")
-    p.add_argument("--context", type=int, default=4096, help="tokens in the cache")
+    p.add_argument("--block", type=cli_args.positive, default=16, help="DFlash block size")
+    p.add_argument("--context", type=cli_args.positive, default=4096, help="tokens in the cache")
     p.add_argument("--tau", type=float, default=10.377, help="tokens per step (default: the report's 27B HumanEval "
                    "tau at block 16)")
     p.add_argument("--json", metavar="OUT", help="also write the report as JSON to OUT")

@@ -428,6 +428,21 @@ def test_a_speculative_config_without_a_method_is_a_draft_models_as_in_vllm(caps
     assert 'give "method": "mtp"' in _error(capsys, ["generate", "x", "--speculative-config", '{"method": null}'])
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--context", "-5"], "argument --context: expected an integer >= 1, got -5"),
+    (["--block", "0"], "argument --block: expected an integer >= 1, got 0"),
+    (["--tau", "20"], "--tau must be in [1, --block 16]"),
+    (["--tau", "nan"], "--tau must be in [1, --block 16]"),
+])
+def test_perf_model_flags_are_refused_by_name_before_compiling(capsys, argv, match):
+    try:
+        err = _error(capsys, ["perf-model", *argv])
+    except SystemExit as e:  # refused by argparse while parsing
+        assert e.code == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert match in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("command", ["generate", "bench", "serve"])
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "-tp", "--data-parallel-size", "-dp",
                                   "--expert-parallel-size", "--num-processes"])
