@@ -156,7 +156,7 @@ def _path_recurrence(q, k, v, g, beta, S0, path):
 
 def _tree_closed_form(q, k, v, g, beta, S0, mask):
     """numpy float64, one value head: every token's output and write from the ancestor mask [T, T] in one
-    triangular solve (path-cumulative decays; frontier.md section 2), as ``kernels.gdn_verify``'s tree form."""
+    triangular solve (path-cumulative decays; the WY form on a tree), as ``kernels.gdn_verify``'s tree form."""
     T = len(g)
     G = mask @ g  # path-cumulative log-decay
     decay = np.where(mask, np.exp(G[:, None] - G[None, :]), 0.0)
