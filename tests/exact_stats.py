@@ -18,7 +18,7 @@ def chi2_pvalue(counts, expected_p) -> float:
     return chi2.sf(stat, len(counts) - 1)
 
 
-def sharp_tiny_target(vocab: int = 8):
+def sharp_tiny_target(vocab: int = 8, sharpness: float = 150.0):
     """A hybrid two-layer target with a vocabulary small enough to enumerate, its head scaled so that p and a
     drafter's q differ visibly (random init gives near-uniform logits, which a wrong rule would not betray)."""
     from dflash_jax.config import TargetConfig
@@ -30,8 +30,24 @@ def sharp_tiny_target(vocab: int = 8):
                        linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
     target = init_target(cfg, seed=3)
     head = target.params["lm_head"]["weight"]
-    head.set_value(head.get_value() * 150.0)
+    head.set_value(head.get_value() * sharpness)
     return target
+
+
+def tiny_drafter(vocab: int = 8, **changes):
+    """A one-layer DFlash drafter (random, seed 4) for ``sharp_tiny_target(vocab)``: block 3, reading the target's
+    first layer; ``changes`` replace config fields."""
+    import dataclasses
+
+    from dflash_jax.config import DrafterConfig
+    from dflash_jax.models.drafter import init_drafter
+
+    cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=vocab,
+                        block_size=3, mask_token_id=vocab - 1, target_layer_ids=(0,), num_target_layers=2,
+                        layer_types=("full_attention",), sliding_window=None, is_causal=None,
+                        target_hidden_size=16)
+    return init_drafter(dataclasses.replace(cfg, **changes), seed=4)
 
 
 def exact_joint(target, prompt, cfg, n: int = 3) -> np.ndarray:

@@ -6,25 +6,24 @@ import collections
 import contextlib
 import dataclasses
 import functools
-import itertools
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from exact_stats import chi2_pvalue
+from exact_stats import chi2_pvalue, exact_joint, sharp_tiny_target, tiny_drafter
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash_jax.config import DrafterConfig, TargetConfig
+from dflash_jax.config import DrafterConfig
 from dflash_jax.decoding import loop as gen
 from dflash_jax.decoding import sampling
 from dflash_jax.decoding.api import bucket_for, generate, make_generate, pad_prompts, position_warning, stream
 from dflash_jax.decoding.loop import FinishReason, SpecConfig
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer
-from dflash_jax.decoding.sampling import SamplingConfig, probs
+from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import init_drafter
 from dflash_jax.models.target import init_target, load_target
 
@@ -320,42 +319,14 @@ def test_top_k_beyond_the_vocabulary_is_refused(hf_dense):
 V = 8
 
 
-def _tiny_vocab_target():
-    cfg = TargetConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
-                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
-    target = init_target(cfg, seed=3)
-    # Random init gives near-uniform logits; a sharper head makes distinct p and q that a wrong rule betrays.
-    head = target.params["lm_head"]["weight"]
-    head.set_value(head.get_value() * 150.0)
-    return target
-
-
-def _exact_joint(target, prompt, cfg, n=3):
-    """P(first n generated tokens) of plain sampling, by enumerating every prefix."""
-    joint = np.ones([1])
-    for depth in range(n):
-        prefixes = np.array(list(itertools.product(range(V), repeat=depth)), np.int32).reshape(V**depth, depth)
-        rows = np.concatenate([np.tile(prompt, (V**depth, 1)), prefixes], axis=1).astype(np.int32)
-        out, _ = target.prefill(rows, [rows.shape[1]] * len(rows), capacity=rows.shape[1])
-        step = np.asarray(probs(out.logits, cfg))  # [V**depth, V]
-        joint = (joint[:, None] * step).reshape(-1)
-    return joint
-
-
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
-    target = _tiny_vocab_target()
-    dcfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
-                         block_size=3, mask_token_id=V - 1, target_layer_ids=(0,), num_target_layers=2,
-                         layer_types=("full_attention",), sliding_window=None, is_causal=None,
-                         target_hidden_size=16)
-    drafter = init_drafter(dcfg, seed=4)
+    target = sharp_tiny_target(V)
+    drafter = tiny_drafter(V)
+    dcfg = drafter.cfg
     cfg = SamplingConfig(temperature=1.0, draft_mode=mode)
     prompt = np.array([1, 5, 2], np.int32)
-    exact = _exact_joint(target, prompt, cfg)
+    exact = exact_joint(target, prompt, cfg)
     N = 6000
     spec = SpecConfig(block_size=3, max_new_tokens=3, sampling=cfg, stop_ids=())
     tokens, lengths = pad_prompts([prompt.tolist()] * N, 4)
@@ -387,7 +358,7 @@ def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
 
 
 def test_batch_row_equals_the_prompt_run_alone():
-    target = _tiny_vocab_target()
+    target = sharp_tiny_target(V)
     keys = jax.random.split(jax.random.key(11), 3)
     prompts = [[1, 2, 3], [4, 5], [6, 1, 1, 2]]
     spec = SpecConfig(block_size=1, max_new_tokens=6, sampling=SamplingConfig(temperature=1.0), stop_ids=())
@@ -409,7 +380,7 @@ def test_stop_ids_are_normalised_to_a_tuple_of_ints():
     for bad in ([1.5], ["a"], [True], [-1], 2.0):
         with pytest.raises(ValueError, match="stop_ids must be"):
             SpecConfig(stop_ids=bad)
-    target = _tiny_vocab_target()
+    target = sharp_tiny_target(V)
     out = generate(target, [[1, 2, 3]], max_new_tokens=4, stop_ids=[V - 1, 0])
     assert len(out.token_lists()[0]) >= 1
     with pytest.raises(ValueError, match=f"stop_ids: token id {V} is outside the target's vocabulary \\[0, {V}\\)"):
@@ -419,7 +390,7 @@ def test_stop_ids_are_normalised_to_a_tuple_of_ints():
 def test_decode_donates_the_state_into_its_final_state():
     """decode's donated state aliases its returned final state: no "donated buffers were not usable"
     warning, the caches are updated in place (input_output_alias), the input state's buffers are gone."""
-    target = _tiny_vocab_target()
+    target = sharp_tiny_target(V)
     loop = gen.SpeculativeLoop.of(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=4, stop_ids=()))
     params, (tokens, lengths) = (target.params, ()), pad_prompts([[1, 2, 3], [4]], 8)
     state = loop.init(params, tokens, lengths, 0)
@@ -438,7 +409,7 @@ def test_stream_copies_a_block_per_step_not_the_whole_output(monkeypatch):
     buffer: O(n) over a generation), gathered by parallel.host, as finish_names() is."""
     from dflash_jax import parallel
 
-    target, copied = _tiny_vocab_target(), []
+    target, copied = sharp_tiny_target(V), []
 
     def host(tree):
         copied.append([np.shape(x) for x in jax.tree.leaves(tree)])
@@ -462,7 +433,7 @@ def test_stream_copies_a_block_per_step_not_the_whole_output(monkeypatch):
 
 
 def test_bad_rng_is_a_clear_error():
-    target = _tiny_vocab_target()
+    target = sharp_tiny_target(V)
     prompts = [[1, 2, 3], [4, 5]]
     for rng, message in ((jax.random.split(jax.random.key(0), 3), r"rng: a batch of keys needs one key per row, "
                                                                    r"got shape \(3,\) for 2 rows"),
@@ -477,7 +448,7 @@ def test_bad_rng_is_a_clear_error():
 
 
 def test_memory_check_counts_the_proposer_state_and_splits_rows_over_the_data_axis(monkeypatch):
-    target = _tiny_vocab_target()
+    target = sharp_tiny_target(V)
     cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                         head_dim=8, intermediate_size=24, vocab_size=V, block_size=4, mask_token_id=V - 1,
                         target_layer_ids=(0, 1), num_target_layers=2, target_hidden_size=16)
@@ -535,7 +506,7 @@ def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
     the output of the run without a mesh; a traced prompt batch (the caller's jit) is left to the trace."""
     from dflash_jax import parallel
 
-    target, placed = _tiny_vocab_target(), []
+    target, placed = sharp_tiny_target(V), []
     real_params, real_rows = parallel.shard_params, parallel.shard_rows
     monkeypatch.setattr(parallel, "shard_params", lambda *a: placed.append("params") or real_params(*a))
     monkeypatch.setattr(parallel, "shard_rows", lambda *a: placed.append("rows") or real_rows(*a))
@@ -579,7 +550,7 @@ def test_the_finiteness_check_reads_the_peak_and_costs_greedy_no_pass_over_the_v
     peak at the argmax its rule chose, so the greedy step makes no pass over the vocabulary beyond the
     acceptance rule's; sampling makes one (a max)."""
     # A vocabulary of 37, a size no other axis has, so that the reductions over it can be told apart.
-    target = init_target(dataclasses.replace(_tiny_vocab_target().cfg, vocab_size=37), seed=3)
+    target = init_target(dataclasses.replace(sharp_tiny_target(V).cfg, vocab_size=37), seed=3)
     x = np.tile(np.linspace(-3.0, 3.0, 37, dtype=np.float32), (6, 1))
     x[1, 5], x[2, 7], x[3], x[4, 2], x[5, 9] = np.nan, np.inf, -np.inf, -np.inf, 3e38
     tokens, lengths = pad_prompts([[1, 2, 3], [4, 5]], 8)

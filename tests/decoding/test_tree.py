@@ -367,24 +367,18 @@ def test_sampled_tree_decoding_has_the_exact_distribution(monkeypatch):
     The budget is the whole tree of depth 2 (every pair of tokens; the random drafter's partial trees miss the
     sharp target's choices): each emitted token is the target's sample at the node of its path.
     Partial trees are the greedy test's."""
-    from exact_stats import chi2_pvalue, exact_joint, sharp_tiny_target
+    from exact_stats import chi2_pvalue, exact_joint, sharp_tiny_target, tiny_drafter
 
-    from dflash_jax.config import DrafterConfig
     from dflash_jax.decoding import tree as draft_tree
     from dflash_jax.decoding.api import make_generate, pad_prompts
     from dflash_jax.decoding.loop import SpecConfig
     from dflash_jax.decoding.proposers import DFlashProposer
     from dflash_jax.decoding.sampling import SamplingConfig
-    from dflash_jax.models.drafter import init_drafter
 
     V = 4
     target = sharp_tiny_target(V)
-    dcfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
-                         block_size=3, mask_token_id=V - 1, target_layer_ids=(0,), num_target_layers=2,
-                         layer_types=("full_attention",), sliding_window=None, is_causal=None,
-                         target_hidden_size=16)
-    drafter = init_drafter(dcfg, seed=4)
+    drafter = tiny_drafter(V)
+    dcfg = drafter.cfg
     cfg = SamplingConfig(temperature=1.0)
     prompt = np.array([1, 3, 2], np.int32)
     joint3 = exact_joint(target, prompt, cfg).reshape(V, V, V)

@@ -5,16 +5,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from exact_stats import sharp_tiny_target, tiny_drafter
 
-from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding import loop as gen
 from dflash_jax.decoding import sampling
 from dflash_jax.decoding.api import pad_prompts
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import DFlashProposer
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
-from dflash_jax.models.drafter import init_drafter
-from dflash_jax.models.target import init_target
 from dflash_jax.perf.acceptance import measure
 
 V, SHARPNESS, BLOCK, ROWS = 8, 10.0, 4, 96
@@ -22,19 +20,8 @@ V, SHARPNESS, BLOCK, ROWS = 8, 10.0, 4, 96
 
 def _pair(vocab=V, sharpness=SHARPNESS):
     """(target, drafter, (prompts, lengths)): a tiny pair whose p and q are neither uniform nor one-hot."""
-    cfg = TargetConfig(vocab_size=vocab, hidden_size=16, num_hidden_layers=2,
-                       layer_types=("linear_attention", "full_attention"), num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=2,
-                       linear_key_head_dim=8, linear_value_head_dim=8, intermediate_size=24)
-    target = init_target(cfg, seed=3)
-    head = target.params["lm_head"]["weight"]  # random init is near uniform
-    head.set_value(head.get_value() * sharpness)
-    dcfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                         head_dim=16, intermediate_size=24, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=vocab,
-                         block_size=BLOCK, mask_token_id=vocab - 1, target_layer_ids=(0, 1), num_target_layers=2,
-                         layer_types=("full_attention",), sliding_window=None, is_causal=None,
-                         target_hidden_size=16)
-    drafter = init_drafter(dcfg, seed=4)
+    target = sharp_tiny_target(vocab, sharpness)
+    drafter = tiny_drafter(vocab, block_size=BLOCK, target_layer_ids=(0, 1))
     prompts = np.random.default_rng(0).integers(0, vocab - 1, (ROWS, 3)).tolist()
     return target, drafter, pad_prompts(prompts, 4)
 
