@@ -319,7 +319,8 @@ def test_top_k_beyond_the_vocabulary_is_refused(hf_dense):
 V = 8
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+# Sampled drafts (q from the drafter) run by default in test_dflash2's exact-distribution test (the selector's q).
+@pytest.mark.parametrize("mode", ["greedy", pytest.param("sampled", marks=pytest.mark.slow)])
 def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
     target = sharp_tiny_target(V)
     drafter = tiny_drafter(V)
@@ -404,6 +405,7 @@ def test_decode_donates_the_state_into_its_final_state():
     assert isinstance(final, gen.LoopState) and (np.asarray(final.n_out) == 4).all()
 
 
+@pytest.mark.slow
 def test_stream_copies_a_block_per_step_not_the_whole_output(monkeypatch):
     """stream() copies n_out, finish and a [B, block] window per step (not the [B, max_new + block]
     buffer: O(n) over a generation), gathered by parallel.host, as finish_names() is."""

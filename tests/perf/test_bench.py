@@ -275,6 +275,7 @@ def test_a_busy_machine_is_said(monkeypatch):
     assert bench.busy_note() is None
 
 
+@pytest.mark.slow
 def test_random_config_benches_models_made_from_configs_alone(tmp_path, capsys):
     target_cfg, drafter_cfg = runtime.ASSETS / "target" / "config.json", runtime.ASSETS / "drafter" / "config.json"
     out = tmp_path / "r"
@@ -448,6 +449,7 @@ def test_prompts_naming_a_directory_and_unwritable_out(tmp_path, capsys):
     assert f"--out {tmp_path / 'file' / 'sub'}: not writable" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_regime_fixed_tau_replays_plain_decoding_at_the_set_acceptance(tiny_pair):
     """regime.fixed_tau builds its loops with bench.method_loop / with_oracle: every block's greedy text is
     plain decoding's, and each step accepts min(tau, block) - 1 drafts (tau = committed per step, the last

@@ -51,6 +51,7 @@ def test_summarize_names_the_missing_flag_when_nothing_was_traced():
     assert p.ops == (("dot.1", "draft", True, 4.0, 2 / 3),) and p.by_scope() == [("draft", 2 / 3, 4.0, 0.0)]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's per-op trace")
 def test_command_profiles_the_shipped_loop_by_scope():
     env = {**os.environ, "XLA_FLAGS": ""}  # the command sets its own tracing flag
