@@ -502,6 +502,7 @@ def test_memory_is_read_from_the_device_not_the_host():
     assert gen._memory_bytes(jax.devices("cpu")[0]) > 2**20
 
 
+@pytest.mark.slow
 def test_every_entry_point_checks_and_places_its_inputs_one_way(monkeypatch):
     """generate, stream and make_generate's function refuse the same bad token id with the same message and,
     on a mesh, place params and rows through the same call (parallel.shard_params / shard_rows), with

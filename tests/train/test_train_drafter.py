@@ -36,7 +36,8 @@ def _blocks(cfg, tokens, anchors):
     return jnp.asarray(block)
 
 
-@pytest.mark.parametrize("layer_types,window", [(("full_attention", "full_attention"), None),
+@pytest.mark.parametrize("layer_types,window", [pytest.param(("full_attention", "full_attention"), None,
+                                                             marks=pytest.mark.slow),  # the next has a full layer too
                                                 (("full_attention", "sliding_attention"), 8)])
 def test_training_forward_equals_inference_path(layer_types, window):
     target, cfg, drafter, tokens, taps = _drafter_setup(layer_types, window)
