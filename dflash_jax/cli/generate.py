@@ -56,6 +56,15 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
                              f"--speculative-config (--model has no default drafter)")
         return runtime.Method("dflash", draft_block if args.block_size is None else args.block_size)
     steps = spec.get("num_speculative_tokens")
+    if spec["method"] == "ddtree":  # num_speculative_tokens: the tree's N nodes; its depth: the drafter's block - 1
+        if args.block_size is not None:
+            raise ValueError(f"--block-size {args.block_size}: with --speculative-config method 'ddtree' the tree's "
+                             f"depth is the drafter's block - 1; leave out --block-size (or use --method "
+                             f"ddtree:{steps}:B for block B)")
+        if draft_block < 2:
+            raise ValueError(f"--speculative-config: method 'ddtree' needs a drafter block >= 2, the drafter's is "
+                             f"{draft_block}")
+        return runtime.Method("dflash", draft_block, tree=steps)
     if args.block_size is not None and steps is not None and args.block_size != steps + 1:
         raise ValueError(f"--block-size {args.block_size} disagrees with --speculative-config's "
                          f"num_speculative_tokens {steps} (block = drafts + 1 = {steps + 1})")
@@ -89,16 +98,20 @@ def parse_speculative_config(text: str) -> dict:
                              'a DFlash drafter directory ("method" is then "dflash")')
         spec = {**spec, "method": "dflash"}
     method = spec["method"]
-    if method not in ("dflash", "dflash2", "mtp"):
-        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash', 'dflash2' or 'mtp'")
+    if method not in ("dflash", "dflash2", "ddtree", "mtp"):
+        raise ValueError(f"--speculative-config: unknown method {method!r}; expected 'dflash', 'dflash2', 'ddtree' "
+                         f"or 'mtp'")
     steps = spec.get("num_speculative_tokens")
     if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)):
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer, got {steps!r}")
     if steps is not None and steps < 1:
         raise ValueError(f"--speculative-config: num_speculative_tokens {steps} drafts nothing; use "
                          f"--block-size 1 for plain decoding")
+    if method == "ddtree" and steps is None:
+        raise ValueError('--speculative-config: method "ddtree" needs "num_speculative_tokens": the tree budget N '
+                         "(draft tokens verified per step besides the anchor, e.g. 32)")
     model = spec.get("model")
-    if method in ("dflash", "dflash2") and not (isinstance(model, str) and model):
+    if method in ("dflash", "dflash2", "ddtree") and not (isinstance(model, str) and model):
         raise ValueError(f'--speculative-config: method "{method}" needs "model": the drafter directory')
     if method == "mtp" and model is not None:
         raise ValueError('--speculative-config: method "mtp" drafts with the target\'s own head; drop "model"')
@@ -313,10 +326,12 @@ def block_size_flag(text: str) -> int | None:
 
 
 def auto_block(args) -> bool:
-    """Whether the DFlash block is left to ``--block-size auto``: no --block-size number, and no
-    num_speculative_tokens in --speculative-config."""
+    """Whether the DFlash block is left to ``--block-size auto``: no --block-size number, no --method, and no
+    num_speculative_tokens in --speculative-config. ``auto`` weighs chains only (``decoding.blocksize``): a draft
+    tree (``--method ddtree:N`` or method "ddtree") is kept as given."""
     spec = parse_speculative_config(args.speculative_config) if args.speculative_config else {}
-    return args.block_size is None and spec.get("num_speculative_tokens") is None
+    return args.block_size is None and not getattr(args, "method", None) and \
+        spec.get("num_speculative_tokens") is None
 
 
 def add_parser(sub) -> None:
@@ -331,7 +346,8 @@ def add_parser(sub) -> None:
     g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
-                   f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter")
+                   f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter; method "
+                   '"ddtree" drafts a tree of num_speculative_tokens nodes at the drafter\'s block')
     g.add_argument("--method", help="the method by name, in place of --block-size/--speculative-config: ar, mtp:K, "
                    "dflash:B, dflash2:B (dflash:B, refused unless the drafter is a DFlash2 one), or ddtree:N "
                    "(a draft tree of the N best continuations per step, depth <= 15; "

@@ -1,11 +1,12 @@
 """``dflash-jax serve``: the OpenAI-compatible server's command line (flags as vLLM's ``serve``).
 
 Checks the flags and the model configs before any weight loads (the method as ``generate`` chooses it:
-``--speculative-config``, ``--draft-model``, ``--block-size``) and binds ``--host``/``--port`` (a port in use
-is refused before anything loads), loads the target and proposer through ``runtime.py``, chooses the DFlash
-block by cost for ``--max-num-seqs`` rows as ``generate --block-size auto`` does (unless a block is given),
-builds the engine (``serve/engine.py``) over ``--max-num-seqs`` slots of ``--max-model-len`` tokens, compiles
-its programs, and serves the app (``serve/app.py``) with uvicorn on the bound socket until SIGINT or SIGTERM:
+``--method``, ``--speculative-config``, ``--draft-model``, ``--block-size``) and binds ``--host``/``--port`` (a
+port in use is refused before anything loads), loads the target and proposer through ``runtime.py``, chooses
+the DFlash block by cost for ``--max-num-seqs`` rows as ``generate --block-size auto`` does (unless a block or
+a draft tree is given: auto weighs chains only), builds the engine (``serve/engine.py``) over
+``--max-num-seqs`` slots of ``--max-model-len`` tokens, compiles its programs, and serves the app
+(``serve/app.py``) with uvicorn on the bound socket until SIGINT or SIGTERM:
 then it stops taking connections, finishes the requests in flight, and exits.
 """
 
@@ -61,7 +62,7 @@ def _settings(args):
     draft_block = None
     if draft_dir is not None:
         draft_block = DrafterConfig.from_pretrained(draft_dir).block_size
-    if spec is None and draft_dir is None and args.block_size is None:  # --model DIR and nothing to draft with
+    if spec is None and draft_dir is None and args.block_size is None and not args.method:  # nothing to draft with
         from dflash_jax.cli.generate import MTP_DEFAULT_STEPS
 
         has_mtp = cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir)  # as generate (and vLLM)
@@ -100,11 +101,14 @@ def build(args, mesh=None, settings=None):
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
-    if method.kind == "dflash" and _auto_block(args):
+    if method.kind == "dflash" and method.tree is None and _auto_block(args):
         block = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
         method = runtime.AR if block == 1 else dataclasses.replace(method, block=block)
+    elif method.tree is not None:
+        log.info("draft trees: %s, as given (--block-size auto weighs chains only); %d tokens verified per row and "
+                 "step, depth <= %d", method.name, method.tree + 1, method.block - 1)
     proposer, pparams = runtime.proposer_for(method, target, drafter)
-    loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len), mesh)
+    loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len, method.tree), mesh)
     params = (target.params, pparams)
     if mesh is not None:
         params = parallel.shard_params(params, mesh, target.cfg, proposer)
@@ -205,7 +209,12 @@ def add_parser(sub) -> None:
     s.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the shipped "
                    "target; none with --model)")
     s.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
-                   '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\'')
+                   '"num_speculative_tokens": 15}\', \'{"method": "mtp", "num_speculative_tokens": 3}\' or '
+                   '\'{"method": "ddtree", "model": DIR, "num_speculative_tokens": 32}\' (a draft tree of 32 '
+                   "nodes, depth up to the drafter's block - 1)")
+    s.add_argument("--method", help="the method by name, in place of --block-size/--speculative-config: ar, mtp:K, "
+                   "dflash:B, dflash2:B, or ddtree:N (a draft tree per row of the N best continuations, depth <= 15; "
+                   "ddtree:N:B for block B)")
     s.add_argument("--block-size", type=_block_size_flag, default=None, metavar="{auto,N}",
                    help="tokens per verify step (1 = plain decoding); auto (the default): chosen by cost for "
                    "--max-num-seqs rows as generate chooses it, and logged")

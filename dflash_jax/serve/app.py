@@ -417,13 +417,14 @@ def _usage(ask: Ask, finish: Finish) -> dict:
 
 def _meta_info(served: Served, ask: Ask, finish: Finish, rid: str) -> dict:
     """SGLang's meta_info: the token counts, the finish reason and, when speculating, the acceptance figures
-    (``spec_accept_length`` = completion tokens / verify steps, as SGLang reports it), all counted up to the
+    (``spec_accept_length`` = completion tokens / verify steps, as SGLang reports it; the drafts are the tokens
+    each step verified besides its anchor: block - 1 for a chain, a draft tree's N nodes), all counted up to the
     token that ended the request."""
     n, steps = finish.tokens, finish.steps
     meta = {"id": rid, "prompt_tokens": len(ask.prompt), "completion_tokens": n,
             "finish_reason": {"type": _reason(finish)}}
     if served.speculative:
-        drafts = steps * (served.engine.loop.spec.block_size - 1)
+        drafts = steps * served.engine.drafts_per_step
         meta.update(spec_verify_ct=steps, spec_accept_length=n / steps if steps else 0.0,
                     spec_accept_rate=finish.accepted / drafts if drafts else 0.0,
                     spec_accept_token_num=finish.accepted, spec_draft_token_num=drafts)

@@ -106,7 +106,7 @@ class Stats:
 
 class Engine:
     """Continuous batching of ``loop`` (a ``SpeculativeLoop`` whose spec has ``capacity`` and no stop ids:
-    ``Engine.spec_for`` builds it) over ``slots`` rows with ``params`` = (target params, proposer params).
+    ``spec_for`` builds it) over ``slots`` rows with ``params`` = (target params, proposer params).
 
     ``submit`` queues a ``Job`` (at most ``max_queue`` waiting, else ``QueueFull``); ``stats`` keeps the records
     of the last ``keep`` finished requests; ``start`` runs the engine's thread; ``close`` stops taking requests
@@ -131,10 +131,11 @@ class Engine:
         self.state = self._empty_state()
 
     @staticmethod
-    def capacity(max_model_len: int, block: int) -> int:
-        """The cache length of every slot: the largest prompt bucket plus max_model_len new tokens and a block
-        (``SpeculativeLoop.capacity``'s rule for any prompt; a request's prompt + max_tokens <= max_model_len)."""
-        return bucket_limit(max_model_len) + max_model_len + block
+    def capacity(max_model_len: int, width: int) -> int:
+        """The cache length of every slot: the largest prompt bucket plus max_model_len new tokens and the verify
+        width ``width`` (the block, or max(block, N + 1) for a draft tree of N nodes: the tokens one verify writes;
+        ``SpeculativeLoop.capacity``'s rule for any prompt; a request's prompt + max_tokens <= max_model_len)."""
+        return bucket_limit(max_model_len) + max_model_len + width
 
     def buckets(self) -> list[int]:
         """The prompt lengths prefill compiles for: powers of two from 16, the last one the context."""
@@ -204,7 +205,14 @@ class Engine:
         with self._cond:
             s = dataclasses.replace(self._stats, finished=list(self._stats.finished))  # asdict copies it
             return dict(dataclasses.asdict(s), finished_kept=self._stats.finished.maxlen, active=len(self._active),
-                        waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size)
+                        waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size,
+                        tree_budget=self.loop.spec.tree_budget, drafts_per_step=self.drafts_per_step)
+
+    @property
+    def drafts_per_step(self) -> int:
+        """Draft tokens each row's verify checks per step: block - 1 for a chain, the N nodes of a draft tree
+        (``accepted_drafts`` over ``verify_steps`` x this is the acceptance rate SGLang reports)."""
+        return self.loop.spec.width - 1
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="dflash-jax-engine", daemon=True)
@@ -259,6 +267,8 @@ class Engine:
             with self._cond:
                 self._active[job.slot] = job
         n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
+        # A step emits at most a block of tokens (a chain's block - 1 drafts and the bonus; a tree's path is at most
+        # block - 1 deep): the histogram of accepted drafts [slots, block] and the window [slots, block] hold it.
         block = self.loop.spec.block_size
         drafts = (accepted * np.arange(block)).sum(-1)  # [slots] drafts each row's steps accepted
         done = np.zeros(self.slots, bool)
@@ -320,7 +330,8 @@ def bucket_limit(max_model_len: int) -> int:
     return max(bucket_for(1), max_model_len)
 
 
-def spec_for(block_size: int, max_model_len: int):
-    """The loop spec a server runs: no stop ids (the engine applies each request's), a fixed cache capacity."""
-    return SpecConfig(block_size=block_size, max_new_tokens=max_model_len, stop_ids=(),
-                      capacity=Engine.capacity(max_model_len, block_size))
+def spec_for(block_size: int, max_model_len: int, tree_budget: int | None = None):
+    """The loop spec a server runs: no stop ids (the engine applies each request's), a fixed cache capacity;
+    ``tree_budget`` N: a draft tree of N nodes of depth <= block_size - 1 per row and step (``SpecConfig``)."""
+    spec = SpecConfig(block_size=block_size, max_new_tokens=max_model_len, stop_ids=(), tree_budget=tree_budget)
+    return dataclasses.replace(spec, capacity=Engine.capacity(max_model_len, max(block_size, spec.width)))
