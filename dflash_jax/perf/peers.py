@@ -4,8 +4,11 @@ Sits in the measurement layer beside ``bench.py``, whose ``measure`` times these
 the loop's (warm, interleaved, repeated, median): each peer here is a ``run(batch, clock) -> (output,
 prefill seconds, decode seconds)``. ``hf:ar`` is transformers' ``generate`` (PyTorch, greedy or sampled)
 on the target loaded by ``AutoModelForCausalLM`` from the same folder; ``zlab:B`` is z-lab's
-``dflash.model.dflash_generate`` at block B with its ``DFlashDraftModel`` loaded from the drafter's
-folder (``pip install --no-deps dflash==0.1.0``). Both decode one row at a time (z-lab's loop has no
+``dflash.model.dflash_generate`` at block B with its ``DFlashDraftModel`` (a DFlash2 checkpoint: its
+``DFlash2DraftModel``, whose selector z-lab's loop walks) loaded from the drafter's folder
+(``pip install --no-deps dflash==0.1.0``). What z-lab 0.1.0 cannot run is said, not worked around: its DFlash2
+convolution fails on the short blocks its loop verifies last when the kernel is 4 or more
+(``_reported_convolve``). Both decode one row at a time (z-lab's loop has no
 batch; transformers' would need left padding, which Gated DeltaNet's recurrent state reads as tokens),
 so a batch's time is the sum of its rows'. The split into prefill and decode: the moment the first new
 token exists (transformers' streamer is handed it; z-lab's own ``return_stats`` clock, made to read
@@ -105,14 +108,22 @@ class Models:
             raise ValueError(f"hf/zlab peers: transformers cannot load the target {model_dir} ({e})") from None
         self.drafter = None
         if any(p.kind == "zlab" for p in peers):
-            from dflash.model import DFlashDraftModel
+            from dflash import model as zlab
 
             if draft_dir is None:
                 raise ValueError("zlab peers need a drafter: give --draft-model DIR")
+            # z-lab's class by the checkpoint's config (a DFlash2DraftModel's adds convolutions and the selector;
+            # its dflash_generate then walks the selector); our loader's reading, so the two agree on the arch
+            from dflash_jax.config import DrafterConfig
             try:
-                self.drafter = DFlashDraftModel.from_pretrained(str(draft_dir), dtype=torch_dtype).eval()
+                self.dflash2 = DrafterConfig.from_pretrained(draft_dir).dflash2
             except (OSError, ValueError) as e:
-                raise ValueError(f"zlab peers: z-lab's DFlashDraftModel cannot load {draft_dir} ({e})") from None
+                raise ValueError(f"zlab peers: cannot read the drafter config in {draft_dir} ({e})") from None
+            cls = zlab.DFlash2DraftModel if self.dflash2 else zlab.DFlashDraftModel
+            try:
+                self.drafter = cls.from_pretrained(str(draft_dir), dtype=torch_dtype).eval()
+            except (OSError, ValueError) as e:
+                raise ValueError(f"zlab peers: z-lab's {cls.__name__} cannot load {draft_dir} ({e})") from None
             too_big = [p.name for p in peers if p.kind == "zlab" and p.block > self.drafter.block_size]
             if too_big:
                 raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size "
@@ -167,6 +178,28 @@ def _cache_maker(block: int):
     return make_cache
 
 
+def _reported_convolve(convolve, block: int):
+    """z-lab's ``_grouped_dynamic_convolve``, run as it is, its failure on a short block said in one line.
+
+    dflash 0.1.0 pads each shifted copy to the tap offset instead of cutting it to the block, so a block of T
+    tokens with T < kernel - 1 raises a shape mismatch; its ``dflash_generate`` verifies blocks of
+    min(B, tokens left) and so reaches T = 2 in its last steps whenever the kernel is 4 or more (the released
+    kernel 2 never fails). This project's convolution is exact at every length (zero-padded on the left); the
+    peer reports z-lab's limit instead of working around it, since the row would no longer be z-lab's code."""
+    def checked(hidden, dynamic, base, group_size):
+        try:
+            return convolve(hidden, dynamic, base, group_size)
+        except RuntimeError as e:
+            T, K = hidden.shape[1], base.shape[0]
+            if T >= K - 1:
+                raise
+            raise ValueError(f"zlab:{block}: z-lab's dflash 0.1.0 cannot run this DFlash2 drafter to the end: its "
+                             f"_grouped_dynamic_convolve fails on a block of {T} tokens, shorter than conv_kernel_size "
+                             f"{K} - 1 (dflash_generate verifies shorter blocks in its last steps; a kernel of at "
+                             f"most 3 runs) [{e}]") from None
+    return checked
+
+
 def _zlab_row(models: Models, prompt: list[int], *, block, max_new_tokens, stop_ids, sampling, clock):
     """(tokens, steps, prefill s, decode s) of z-lab's dflash_generate on one row."""
     from dflash import model as zlab
@@ -175,7 +208,9 @@ def _zlab_row(models: Models, prompt: list[int], *, block, max_new_tokens, stop_
     start = clock()
     # return_stats reads a clock that synchronizes CUDA; on the CPU it reads ``clock``. The caches are made
     # with the rollback depth transformers >= 5.25 needs (see _cache_maker)
-    with mock.patch.object(zlab, "_cuda_time", clock), mock.patch.object(zlab, "_make_cache", _cache_maker(block)):
+    with mock.patch.object(zlab, "_cuda_time", clock), mock.patch.object(zlab, "_make_cache", _cache_maker(block)), \
+            mock.patch.object(zlab, "_grouped_dynamic_convolve", _reported_convolve(zlab._grouped_dynamic_convolve,
+                                                                                 block)):
         stats = zlab.dflash_generate(models.drafter, models.target, torch.tensor([prompt]), max_new_tokens,
                                      list(stop_ids) or None, temperature=sampling.temperature, top_p=sampling.top_p,
                                      top_k=sampling.top_k, block_size=block, return_stats=True)

@@ -3,6 +3,7 @@ checkpoint transformers wrote, their texts compared with plain decoding's, and t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -112,3 +113,53 @@ def test_a_peer_block_larger_than_the_drafter_is_refused(pair):
     target_dir, draft_dir, _ = pair
     with pytest.raises(ValueError, match="zlab:8: larger than the drafter's block size 4"):
         peers.Models(target_dir, draft_dir, [peers.Peer("zlab", 8)])
+
+
+@pytest.fixture(scope="module")
+def dflash2_dirs(pair, tmp_path_factory):
+    """{conv kernel: z-lab-format DFlash2 drafter dir}: the tiny drafter with DFlash2's convolutions (groups of 8)
+    and a selector (rank 8, top-5), conv kernel 2 (the released checkpoints') or 4."""
+    target = pair[2]
+    dirs = {}
+    for kernel in (2, 4):
+        cfg = dataclasses.replace(tiny_drafter_config(target.cfg), conv_kernel_size=kernel, conv_group_size=8,
+                                  selector_rank=8, selector_top_k=5)
+        dirs[kernel] = tmp_path_factory.mktemp(f"peers_dflash2_{kernel}") / "drafter"
+        save_drafter(dirs[kernel], init_drafter(cfg, dtype=jnp.float32))
+    return dirs
+
+
+def test_zlab_peer_runs_a_dflash2_drafter_through_its_selector(pair, dflash2_dirs):
+    """A DFlash2 checkpoint is z-lab's DFlash2DraftModel in the peer, and z-lab's own dflash_generate walks its
+    selector (``propose``) at every drafted block; on the hybrid target the rollback is exact (as for DFlash)."""
+    _zlab()
+    from dflash import model as zlab
+
+    target_dir = pair[0]
+    peer = peers.Peer("zlab", 4)
+    models = peers.Models(target_dir, dflash2_dirs[2], [peer])
+    assert type(models.drafter) is zlab.DFlash2DraftModel and models.dflash2
+    assert any(t == "linear_attention" for t in models.target.config.layer_types)
+    calls = []
+    propose = models.drafter.propose
+    models.drafter.propose = lambda *a, **k: calls.append(a[0].shape[1]) or propose(*a, **k)
+    out, _, _ = peers.runner(peer, models, [PROMPTS[:1]], max_new_tokens=5, stop_ids=(),
+                             sampling=SamplingConfig())(0, _clock())
+    assert len(calls) == out.steps[0] and calls[0] == 3  # every step drafts (the last ones shorter blocks)
+    with models.torch.inference_mode():  # plain greedy decoding (transformers', the oracle of ours)
+        plain = models.target.generate(models.torch.tensor(PROMPTS[:1]), max_new_tokens=5, do_sample=False)
+    assert out.token_lists() == [plain[0, len(PROMPTS[0]):].tolist()]
+
+
+def test_zlab_dflash2_short_block_failure_is_reported_in_one_line(pair, dflash2_dirs):
+    """z-lab 0.1.0's convolution fails on a block shorter than kernel - 1, which its loop verifies in its last
+    steps: the peer says so by name (the limit is z-lab's; ours is exact at every length, test_dflash2)."""
+    _zlab()
+    target_dir, _, _ = pair
+    peer = peers.Peer("zlab", 4)
+    models = peers.Models(target_dir, dflash2_dirs[4], [peer])
+    run = peers.runner(peer, models, [PROMPTS[:1]], max_new_tokens=5, stop_ids=(), sampling=SamplingConfig())
+    with pytest.raises(ValueError, match=r"zlab:4: z-lab's dflash 0.1.0 cannot run this DFlash2 drafter to the end: "
+                                         r"its _grouped_dynamic_convolve fails on a block of 2 tokens, shorter than "
+                                         r"conv_kernel_size 4 - 1"):
+        run(0, _clock())
