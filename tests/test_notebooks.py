@@ -15,7 +15,7 @@ ASSETS = Path(os.environ.get("DFLASH_JAX_ASSETS", str(resources.files("dflash_ja
 
 def test_notebooks_are_stored_without_outputs():
     nbformat = pytest.importorskip("nbformat")
-    assert len(NOTEBOOKS) == 3
+    assert len(NOTEBOOKS) == 4
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
