@@ -2,9 +2,10 @@
 
 Modes: ``"reference"`` (jnp, the oracle and the CPU path), ``"pallas"`` (the Triton-backend kernels, for ROCm
 and CUDA), ``"interpret"`` (those kernels run by the Pallas interpreter, for checking numerics on a CPU),
-``"tpu"`` (the TPU forms: Pallas TPU (Mosaic) kernels where an op has one, ``kernels/attention_tpu.py`` and
-``moe.grouped_matmul_tpu``, the XLA reference for the rest) and ``"tpu-interpret"`` (the same, the Mosaic
-kernels interpreted on a CPU). ``"auto"`` (or None) is ``default_mode()``: the platform's kernels.
+``"tpu"`` (the TPU forms: Pallas TPU (Mosaic) kernels where an op has one, ``kernels/attention_tpu.py``,
+``moe.grouped_matmul_tpu`` and ``gdn.gdn_verify``'s ``kernels/gdn_tpu.py``, the XLA reference for the rest)
+and ``"tpu-interpret"`` (the same, the Mosaic kernels interpreted on a CPU). ``"auto"`` (or None) is
+``default_mode()``: the platform's kernels.
 
 Each op takes ``impl=`` (a mode, or None for ``default_mode()``). The models carry their mode as a static
 attribute of every kernel-calling layer (``kernels``), so it is part of the graph that jitted functions take

@@ -22,6 +22,9 @@ Three entry points share these semantics:
 - ``gdn_replay``: the first n[b] of those tokens applied to the state from their k, u and g (the commit
   step), by the closed form above: one weighted sum, not a second pass of the recurrence.
 
+On TPU (kernel modes "tpu", "tpu-interpret") ``gdn_verify`` runs a Mosaic kernel of the closed form, chain or
+tree (``kernels/gdn_tpu.py``); replay and prefill run their XLA references there.
+
 Pallas kernels (Triton backend; all math in f32, f32 dots at ``Precision.HIGHEST`` because the
 Triton default for f32 is TF32). Each program owns one (row b, value head h, Dv tile of
 ``block_v``); the key head is picked by the index map, so GQA costs no copies.
@@ -63,6 +66,7 @@ from jax.experimental import pallas as pl
 
 from dflash_jax.kernels import dispatch
 from dflash_jax.kernels.common import KernelCase, triton_params
+from dflash_jax.kernels.gdn_tpu import gdn_verify_tpu
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -517,9 +521,10 @@ def gdn_chunked_pallas(q, k, v, g, beta, state, *, blocks=ChunkedBlocks(), inter
 
 
 def gdn_chunked(q, k, v, g, beta, state, *, impl=None):
-    """Whole-prompt GDN; same contract as ``gdn_chunked_reference``: (o [B,T,Hv,Dv] f32, state)."""
+    """Whole-prompt GDN; same contract as ``gdn_chunked_reference``: (o [B,T,Hv,Dv] f32, state). The TPU
+    modes run the reference (no TPU form)."""
     mode = dispatch.resolve(impl)
-    if mode == "reference":
+    if mode in ("reference", *dispatch.TPU_MODES):
         return gdn_chunked_reference(q, k, v, g, beta, state)
     run = functools.partial(gdn_chunked_pallas, interpret=mode == "interpret")
     return run(q, k, v, g, beta, state)
@@ -538,11 +543,19 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None
     The XLA path runs the T tokens as one chunk of the WY form (``_verify_block``: a few batched matmuls)
     instead of the token scan, whose 16 trips cost more dispatch than their FLOPs in the fused CPU loop.
     ``tree`` [B, T, T] bool (each token's ancestors and itself; parents before children): every token
-    along its own root -> token path, a draft tree's verify. The Pallas kernel walks a chain only, so a
-    tree runs the XLA path in every mode (said once in the log). ``tree_depth`` (static): the deepest token's
-    depth, when known (a draft tree's: block - 1), for the cheaper solve of ``_verify_block``.
+    along its own root -> token path, a draft tree's verify. The Triton kernel walks a chain only, so a
+    tree runs the XLA path in modes "pallas" and "interpret" (said once in the log). ``tree_depth`` (static): the
+    deepest token's depth, when known (a draft tree's: block - 1), for the cheaper solve of ``_verify_block``.
+    The TPU modes run the Mosaic kernel (``kernels/gdn_tpu.py``), chain and tree alike.
     """
     mode = dispatch.resolve(impl)
+    if mode in dispatch.TPU_MODES:
+        _check_shapes("gdn_verify", q, k, v, g, beta, state)
+        if tree is not None and tree.shape != (k.shape[0], k.shape[1], k.shape[1]):
+            raise ValueError(f"gdn_verify: tree must be [B, T, T] = {k.shape[:2] + k.shape[1:2]}, got shape "
+                             f"{tree.shape}")
+        return gdn_verify_tpu(q, k, v, g, beta, state, tree, tree_depth=tree_depth,
+                              interpret=mode == "tpu-interpret")
     if tree is not None and mode != "reference":
         _tree_fallback()
     if mode == "reference" or tree is not None:
@@ -552,9 +565,10 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None
 
 
 def gdn_replay(k, u, g, state, n, *, impl=None):
-    """Commit: the state after the first n[b] tokens; same contract as ``gdn_replay_reference``."""
+    """Commit: the state after the first n[b] tokens; same contract as ``gdn_replay_reference``. The TPU modes
+    run the reference (no TPU form: it reads and writes the state once as it is)."""
     mode = dispatch.resolve(impl)
-    if mode == "reference":
+    if mode in ("reference", *dispatch.TPU_MODES):
         return gdn_replay_reference(k, u, g, state, n)
     run = functools.partial(gdn_replay_pallas, interpret=mode == "interpret")
     return run(k, u, g, state, n)
