@@ -15,9 +15,16 @@ selector's walk chooses the drafts). Facts from z-lab's ``dflash`` 0.1.0 (``dfla
   (codebooks A, B [V, r], P [r, D]) and walked from the anchor: each position's choice is the next
   position's predecessor. Greedy takes the argmax of the score; sampling draws from softmax(score / T)
   over the candidates and returns those probabilities, which acceptance reads scattered onto the vocabulary.
+
+Neither has a kernel: in a kernel mode other than "reference" (a Pallas or TPU mode, which the drafter's
+attention uses) both run this XLA form, and the log says so once per process (``_reference_fallback``, as the
+draft tree's attention does in ``kernels/attention.py``).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +33,19 @@ from flax import nnx
 from dflash_jax import parallel
 from dflash_jax.config import DrafterConfig
 from dflash_jax.models.layers import Embedding, Linear
+
+
+@functools.cache
+def _reference_fallback() -> None:
+    """Says once per process why DFlash2's convolutions and selector run XLA ops in a kernel mode."""
+    logging.getLogger(__name__).warning("DFlash2: the grouped dynamic convolutions and the candidate selector have "
+                                        "no kernel; they run their XLA reference form in every kernel mode")
+
+
+def _in_mode(kernels: str) -> None:
+    """Called as the ops are traced: the log line above, once, when a kernel mode was asked for."""
+    if kernels != "reference":
+        _reference_fallback()
 
 
 def causal_conv(x: jax.Array, dynamic: jax.Array, base: jax.Array, group_size: int) -> jax.Array:
@@ -59,7 +79,7 @@ class GroupedDynamicCausalConv(nnx.Module):
 
     def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         D, K = cfg.hidden_size, cfg.conv_kernel_size
-        self.kernel_size, self.group_size = K, cfg.conv_group_size
+        self.kernel_size, self.group_size, self.kernels = K, cfg.conv_group_size, kernels
         self.groups = D // cfg.conv_group_size
         self.base_kernel = parallel.param(jnp.zeros((2, K, D), dtype).at[:, 0].set(1))
         self.kernel_projection = Linear(D, 2 * K * self.groups, dtype=dtype, kernels=kernels, rngs=rngs)
@@ -67,6 +87,7 @@ class GroupedDynamicCausalConv(nnx.Module):
     def prepare(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h [B, T, D] (the normed sub-layer input) -> (its convolution with kernel 0 [B, T, D], kernel 1's
         dynamic part [B, T, K, G] for ``finish``)."""
+        _in_mode(self.kernels)
         B, T, _ = h.shape
         dynamic = self.kernel_projection(h).reshape(B, T, 2, self.kernel_size, self.groups)
         base = self.base_kernel.get_value()
@@ -84,7 +105,7 @@ class CandidateSelector(nnx.Module):
 
     def __init__(self, cfg: DrafterConfig, *, dtype, kernels: str, rngs: nnx.Rngs):
         V, r = cfg.vocab_size, cfg.selector_rank
-        self.top_k = cfg.selector_top_k
+        self.top_k, self.kernels = cfg.selector_top_k, kernels
         self.predecessor_codebook = Embedding(V, r, dtype=dtype, rngs=rngs)
         self.successor_codebook = Embedding(V, r, dtype=dtype, rngs=rngs)
         self.hidden_projection = Linear(cfg.hidden_size, r, dtype=dtype, kernels=kernels, rngs=rngs)
@@ -103,6 +124,7 @@ class CandidateSelector(nnx.Module):
     def full_scores(self, hidden: jax.Array, logits: jax.Array, predecessors: jax.Array) -> jax.Array:
         """The score of every token (training, teacher-forced predecessors [B, ..., T]): logits [B, ..., T, V]
         f32 + (A[pred] * P h) B^T. hidden [B, ..., T, D] -> [B, ..., T, V] f32."""
+        _in_mode(self.kernels)
         left = self.predecessor_codebook(predecessors) * self.hidden_projection(hidden)  # [..., r]
         table = self.successor_codebook.weight.get_value()  # [V, r]
         return logits.astype(jnp.float32) + jnp.einsum("...r,vr->...v", left.astype(jnp.float32),
@@ -117,11 +139,13 @@ class CandidateSelector(nnx.Module):
           logits: [B, k, V] their draft logits (``drafter.draft_logits``).
           anchor: [B] the block's first token (the first predecessor).
           keys: [B] per-row PRNG keys (sampling), None for greedy.
-          temperature: 0: greedy (argmax of the score); > 0: a sample of softmax(score / temperature).
+          temperature: 0: greedy (argmax of the score); > 0: a sample of softmax(score / temperature); or [B]
+            per row (with keys), a row at 0 taking the argmax with q one-hot over its candidates.
         Returns:
           (drafts [B, k] int32, candidates [B, k, top_k] int32, the sampling probabilities over the
           candidates [B, k, top_k] f32 or None when greedy).
         """
+        _in_mode(self.kernels)
         unary, cand = self.candidates(logits)
         left = self.hidden_projection(hidden).astype(jnp.float32)  # [B, k, r]
         right = self.successor_codebook(cand).astype(jnp.float32)  # [B, k, top_k, r]
@@ -134,6 +158,12 @@ class CandidateSelector(nnx.Module):
             score = unary[:, t] + jnp.einsum("br,br,bnr->bn", a, left[:, t], right[:, t])  # [B, top_k]
             if step_keys is None:
                 index, q = jnp.argmax(score, axis=-1), jnp.zeros_like(score)
+            elif jnp.ndim(temperature):  # per row [B]
+                temp = temperature[:, None]
+                logq = jax.nn.log_softmax(score / jnp.where(temp > 0, temp, 1.0), axis=-1)
+                index = jnp.where(temperature > 0, jax.vmap(jax.random.categorical)(step_keys[:, t], logq),
+                                  jnp.argmax(score, axis=-1))
+                q = jnp.where(temp > 0, jnp.exp(logq), jax.nn.one_hot(index, score.shape[-1], dtype=score.dtype))
             else:
                 logq = jax.nn.log_softmax(score / temperature, axis=-1)
                 index, q = jax.vmap(jax.random.categorical)(step_keys[:, t], logq), jnp.exp(logq)

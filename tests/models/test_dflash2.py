@@ -30,6 +30,7 @@ from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.io import checkpoint
 from dflash_jax.models import dflash2
 from dflash_jax.models import drafter as dr
+from dflash_jax.models.layers import with_kernels
 from dflash_jax.models.target import load_target
 
 torch = pytest.importorskip("torch", reason="z-lab's model runs in PyTorch")
@@ -195,6 +196,38 @@ def test_conv_exact_for_blocks_shorter_than_the_kernel(T):
             zlab._grouped_dynamic_convolve(torch.tensor(x), torch.tensor(dyn), torch.tensor(base), group)
 
 
+def test_kernel_modes_run_the_reference_form_and_say_so_once(caplog):
+    """Neither the convolution nor the selector has a kernel: in a kernel mode (here set on the modules as
+    ``with_kernels`` sets it; no kernel runs, so the CPU can hold a Pallas/TPU mode) they run the XLA form, equal
+    to the reference mode's output, and the log says so once per process, however often they are traced."""
+    cfg = drafter_config("dflash2")
+    ref = random_drafter(cfg).module()
+    asked = with_kernels(ref, "pallas")
+    assert asked.candidate_selector.kernels == asked.layers[0].mlp_conv.kernels == "pallas"
+    rng = np.random.default_rng(0)
+    h = jnp.asarray(rng.standard_normal((2, cfg.block_size - 1, D)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((2, cfg.block_size - 1, V)), jnp.float32)
+    anchor = jnp.asarray([3, 17])
+
+    def run(model):
+        conv = model.layers[0].attention_conv
+        y, dyn = jax.jit(conv.prepare)(h)
+        return (y, conv.finish(y, dyn), *jax.jit(model.candidate_selector.walk)(h, logits, anchor, None)[:2],
+                model.candidate_selector.full_scores(h, logits, jnp.zeros(h.shape[:2], jnp.int32)))
+
+    dflash2._reference_fallback.cache_clear()
+    with caplog.at_level("WARNING", logger=dflash2.__name__):
+        expected = run(ref)
+        assert not caplog.records  # the reference mode says nothing
+        for _ in range(2):
+            got = run(asked)
+            for a, b in zip(got, expected, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["DFlash2: the grouped dynamic convolutions and the candidate selector have no kernel; they run "
+                     "their XLA reference form in every kernel mode"]
+
+
 @pytest.mark.parametrize("over, message", [
     (dict(dflash_config=dict(mask_token_id=95, target_layer_ids=[0, 2], **{**DF2, "conv_group_size": 5})),
      "hidden_size=32 is not a multiple of conv_group_size=5"),
@@ -246,10 +279,10 @@ def bigram_drafter(cfg: DrafterConfig, target, tokens: list[int], scale: float =
 
 @pytest.mark.slow  # 70 s; the drafter parity above runs by default
 def test_dflash_generate_and_our_loop_agree_step_by_step(attention_target, tmp_path):
-    """Greedy, one prompt, conv kernel 2 (the released checkpoints'; z-lab's convolution fails for kernel 3 in its
-    last, shorter blocks): the same drafts and the same acceptance length at every full-block step, and the
-    same text. z-lab's last steps verify shorter blocks (their drafts differ by construction), so only the
-    steps where z-lab drafted a whole block are compared draft for draft."""
+    """Greedy, one prompt, conv kernel 2 (the released checkpoints'; z-lab's convolution fails for a kernel of 4 or
+    more in its last, shorter blocks, see test_peers): the same drafts and the same acceptance length at every
+    full-block step, and the same text. z-lab's last steps verify shorter blocks (their drafts differ by
+    construction), so only the steps where z-lab drafted a whole block are compared draft for draft."""
     hf, target = attention_target
     prompt, max_new = [5, 6, 7, 8, 9], 40
     with torch.no_grad():
