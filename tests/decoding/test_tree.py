@@ -361,6 +361,32 @@ def test_greedy_tree_decoding_equals_plain_decoding(target):
         assert np.asarray(out.accepted)[:, 1:].sum() > 0
 
 
+@pytest.mark.slow
+def test_greedy_tree_decoding_with_an_mxfp4_target_equals_its_plain_decoding():
+    """A target whose GDN, attention and MLP projections are MXFP4 (``quant.convert``; widths of 32), in a mixed
+    batch under a draft tree: its own plain decoding's tokens, and the trees' drafts are accepted. Slow (two loop
+    compilations, ~85 s at load 15 on 2 cores); by default the tree is guarded by the dense/MoE greedy test above
+    and MXFP4 under DFlash by ``tests/models/test_quant.py``."""
+    from dflash_jax.decoding.loop import SpecConfig
+    from dflash_jax.decoding.proposers import DFlashProposer, NoProposer
+    from dflash_jax.models import quant
+
+    cfg = dataclasses.replace(_config(), vocab_size=64, hidden_size=32, head_dim=16, linear_key_head_dim=16,
+                              linear_value_head_dim=16, intermediate_size=32)
+    target = quant.convert(init_target(cfg, seed=5), True)
+    names = quant.layout(target.module())["quantized"]
+    assert {"model.layers.0.linear_attn.in_proj_qkv.weight", "model.layers.0.linear_attn.out_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight", "model.layers.2.mlp.down_proj.weight"} <= set(names)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (6, 11, 2)]
+    plain = _generate(target, NoProposer(), (), prompts, SpecConfig(block_size=1, max_new_tokens=16, stop_ids=()))
+    drafter = _drafter(target)
+    spec = SpecConfig(block_size=4, max_new_tokens=16, stop_ids=(), tree_budget=6)
+    out = _generate(target, DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params, prompts, spec)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert np.asarray(out.accepted)[:, 1:].sum() > 0
+
+
 def test_sampled_tree_decoding_has_the_exact_distribution(monkeypatch):
     """Sampling through draft trees: the first three tokens' joint distribution is plain sampling's, exactly
     (enumerated); the same statistic rejects a walk that ignores the target's choices (the test has power).
