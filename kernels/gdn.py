@@ -537,6 +537,21 @@ def _tree_fallback() -> None:
                                         "the XLA closed form (_verify_block) instead")
 
 
+def _partitioned() -> bool:
+    """Whether this trace runs under a mesh with an axis of several devices that is not manual (a ``shard_map``
+    body's axes are): there a Mosaic call cannot be partitioned by XLA (JAX refuses to compile it)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return any(size > 1 and kind != jax.sharding.AxisType.Manual
+               for size, kind in zip(mesh.axis_sizes, mesh.axis_types, strict=True))
+
+
+@functools.cache
+def _mesh_fallback() -> None:
+    """Says once per process why a verify traced on a mesh leaves the Mosaic kernel."""
+    logging.getLogger(__name__).warning("gdn_verify: traced on a device mesh outside shard_map, where a Mosaic call "
+                                        "cannot be partitioned; it runs the XLA closed form (_verify_block) instead")
+
+
 def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None):
     """Verify outputs and writes without a state write; same contract as ``gdn_verify_reference``.
 
@@ -546,9 +561,13 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None
     along its own root -> token path, a draft tree's verify. The Triton kernel walks a chain only, so a
     tree runs the XLA path in modes "pallas" and "interpret" (said once in the log). ``tree_depth`` (static): the
     deepest token's depth, when known (a draft tree's: block - 1), for the cheaper solve of ``_verify_block``.
-    The TPU modes run the Mosaic kernel (``kernels/gdn_tpu.py``), chain and tree alike.
+    The TPU modes run the Mosaic kernel (``kernels/gdn_tpu.py``), chain and tree alike, except when traced on a
+    device mesh outside ``shard_map`` (the layer's ``parallel.per_head``): there the XLA path (said once).
     """
     mode = dispatch.resolve(impl)
+    if mode in dispatch.TPU_MODES and _partitioned():
+        _mesh_fallback()
+        mode = "reference"
     if mode in dispatch.TPU_MODES:
         _check_shapes("gdn_verify", q, k, v, g, beta, state)
         if tree is not None and tree.shape != (k.shape[0], k.shape[1], k.shape[1]):

@@ -104,3 +104,14 @@ def test_compiles_for_a_tpu_chip(Hk, Hv):
     assert compiled.as_text().count("tpu_custom_call") == 1
     assert compiled.memory_analysis().temp_size_in_bytes == 0
     assert compiled.cost_analysis()["bytes accessed"] == traffic(*args)
+
+
+def test_on_a_mesh_outside_shard_map_the_xla_form_runs():
+    """Traced under a mesh of several devices (not in a shard_map body) a Mosaic call cannot be partitioned (JAX
+    refuses to compile it), so the verify there runs the XLA form (said once in the log); under no mesh, the kernel."""
+    args = make_inputs(1, 4, 1, 1, 16, 16, F32)
+    calls = lambda: str(jax.make_jaxpr(lambda *a: _tpu_verify(*a, tree=jnp.tril(jnp.ones((1, 4, 4), bool))))(*args))  # noqa: E731
+    assert "pallas_call" in calls()
+    mesh = jax.sharding.AbstractMesh((2,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert "pallas_call" not in calls()
