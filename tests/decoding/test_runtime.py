@@ -117,6 +117,34 @@ def test_the_mtp_head_is_loaded_only_when_mtp_is_used():
 
 
 @shipped
+def test_draft_trees_are_refused_for_a_dflash2_drafter(tmp_path):
+    """``ddtree:N`` grows its tree from per-position distributions, which would leave out a DFlash2 drafter's
+    selector: refused in one line where front ends load the models (generate, bench, serve); a DFlash2 drafter
+    still runs dflash2:B / dflash:B, and a DFlash drafter still runs trees."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from dflash_jax.config import DrafterConfig
+    from dflash_jax.models.drafter import init_drafter, save_drafter
+
+    target_dir, draft_dir = runtime.model_dirs(None, None)
+    one = DrafterConfig.from_pretrained(draft_dir)
+    assert not one.dflash2  # the shipped drafter: DFlash, trees allowed
+    runtime.check_generation([runtime.parse_method("ddtree:64")], one, draft_dir)
+    two = dataclasses.replace(one, num_hidden_layers=1, layer_types=("full_attention",), conv_kernel_size=2,
+                              conv_group_size=16, selector_rank=8, selector_top_k=4)
+    runtime.check_generation([runtime.parse_method("dflash2:16"), runtime.parse_method("dflash:8")], two, "DIR")
+    save_drafter(tmp_path, init_drafter(two))
+    with pytest.raises(ValueError, match=rf"^ddtree:64, ddtree:8:4: the drafter {tmp_path} is a DFlash2 drafter; "
+                                         r"draft trees are grown from per-position distributions and would leave "
+                                         r"out its candidate selector; use dflash2:B$"):
+        runtime.load_models(target_dir, tmp_path, [runtime.parse_method(m) for m in ("dflash2:4", "ddtree:64",
+                                                                                       "ddtree:8:4")],
+                            dtype=jnp.float32, progress=False)
+
+
+@shipped
 @pytest.mark.slow  # ~40 s of CPU (three compiled loops)
 def test_greedy_speculative_decoding_is_lossless_in_bfloat16():
     """bfloat16 (the accelerator default): DFlash at blocks 4 and 16 emits plain decoding's greedy tokens.
