@@ -15,6 +15,12 @@ of the loop at the drafter's own block, whose histogram of accepted drafts per s
 shorter than the calibrated one is assumed to accept its first drafts as the long block does (DFlash
 drafts a block at once, so a draft sees the masked positions after it: the approximation is that they
 change little).
+
+Draft trees (``ddtree:N``) are not among the candidates: a given tree is kept as given. The chain's rule reads
+every block's E[tokens] from one calibration (a_k at the largest block); a tree's depends on the drafter's
+whole per-depth distributions, so each budget N would need a calibration run of its own besides the timing of
+its N + 1-token step: a compilation and a full run per budget, more than the 30 s the choice may take (the
+chains alone use ~21 s of it for the shipped pair on 2 quiet cores).
 """
 
 from __future__ import annotations

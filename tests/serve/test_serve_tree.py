@@ -44,6 +44,8 @@ def test_the_flags_name_a_tree_and_the_slots_hold_its_verify():
     config = json.dumps({"method": "ddtree", "model": drafter, "num_speculative_tokens": 32})
     args = _args("--speculative-config", config)
     assert cli_serve._settings(args)[2] == method
+    generate_args = build_parser().parse_args(["generate", "x", "--speculative-config", config])
+    assert cli_generate.check_request(generate_args).method == method  # generate reads it alike
     assert not cli_generate.auto_block(args) and not cli_generate.auto_block(_args("--method", "ddtree:32"))
     assert cli_generate.auto_block(_args())  # the chain's default stays auto
     spec = spec_for(16, 64, 32)
