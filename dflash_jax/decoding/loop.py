@@ -337,7 +337,7 @@ class SpeculativeLoop:
     @_phase()
     def init(self, params, prompts, prompt_lens, rng, rows: RowSampling | None = None) -> LoopState:
         """Prefill of prompts [B, P] int32 (right-padded, real up to prompt_lens [B]) and the first token;
-        ``rows``: per-row sampling settings in place of the spec's (drafts are then the drafter's argmax)."""
+        ``rows``: per-row sampling settings in place of the spec's (each row drafts by its own draft mode)."""
         tparams, pparams = params
         prompts, prompt_lens = prompts.astype(jnp.int32), prompt_lens.astype(jnp.int32)
         B, P = prompts.shape
@@ -383,7 +383,7 @@ class SpeculativeLoop:
                          accept_keys=keys[:, 1], tree=tree)
         tokens, q, pstate = self.proposer.propose(
             params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
-            k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self.spec.sampling)
+            k=self.spec.block_size - 1, keys=keys[:, 0], sampling=self._rules(state))
         return Draft(tokens=tokens, q=q, proposer=self._pin(pstate, tokens.shape[0]), accept_keys=keys[:, 1])
 
     @_phase()

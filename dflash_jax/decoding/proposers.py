@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
-from dflash_jax.decoding.sampling import SamplingConfig, draft_tokens
+from dflash_jax.decoding.sampling import RowSampling, SamplingConfig, draft_tokens
 from dflash_jax.models import dflash2
 from dflash_jax.models import drafter as dr
 from dflash_jax.models.target import TargetOutput, lm_logits
@@ -64,7 +64,9 @@ class Proposer(Protocol):
     - ``init(params, view, prefill, prompts [B, P], prompt_lens [B], capacity S) -> state``, after the
       target's prefill (``prefill``: its ``TargetOutput``).
     - ``propose(params, view, state, anchor [B], k, keys [B], sampling) -> (drafts [B, k], q, state)``:
-      q [B, k, V] is the drafts' distribution, or None when the drafts are the argmax (q one-hot).
+      q [B, k, V] is the drafts' distribution, or None when the drafts are the argmax (q one-hot);
+      ``sampling`` a ``SamplingConfig`` or per-row ``RowSampling`` (each row drafts as its
+      ``sampled_drafts`` says; q then per row, one-hot for argmax rows).
     - ``commit(params, view, state, verified, n [B]) -> state``: the target kept the first n of
       ``[anchor, d_1 .. d_k]`` (``verified``: the verify's ``TargetOutput``).
     """
@@ -76,7 +78,7 @@ class Proposer(Protocol):
              prompt_lens: jax.Array, capacity: int) -> Any: ...
 
     def propose(self, *, params, view: TargetView, state, anchor: jax.Array, k: int, keys: jax.Array,
-                sampling: SamplingConfig) -> tuple[jax.Array, jax.Array | None, Any]: ...
+                sampling: SamplingConfig | RowSampling) -> tuple[jax.Array, jax.Array | None, Any]: ...
 
     def commit(self, *, params, view: TargetView, state, verified: TargetOutput, n: jax.Array) -> Any: ...
 
@@ -105,7 +107,8 @@ class DFlashProposer:
     A DFlash2 drafter (``cfg.dflash2``) chooses its drafts with the candidate selector's walk: greedy
     (temperature 0, or ``draft_mode="greedy"``) its argmax path, q one-hot (None); sampled drafts a
     sample of softmax(score / T) over the candidates at each position, q those probabilities scattered
-    onto the vocabulary [B, k, V] for the acceptance rule.
+    onto the vocabulary [B, k, V] for the acceptance rule. Per-row rules walk every row at once, each at
+    its own temperature (0: the argmax path, q one-hot).
     """
 
     cfg: DrafterConfig
@@ -133,9 +136,14 @@ class DFlashProposer:
         if not self.cfg.dflash2:
             drafts, q = draft_tokens(logits, keys, sampling)
             return drafts, q, cache
-        greedy = sampling.greedy or sampling.draft_mode == "greedy"
-        drafts, cand, q = model.candidate_selector.walk(hidden[:, 1:], logits, anchor, None if greedy else keys,
-                                                        sampling.temperature)
+        selector = model.candidate_selector
+        if isinstance(sampling, RowSampling):  # each row's walk: sampled at its temperature, else the argmax
+            temperature = jnp.where(sampling.sampled_drafts, sampling.temperature, 0.0)  # [B]
+            drafts, cand, q = selector.walk(hidden[:, 1:], logits, anchor, keys, temperature)
+        else:
+            greedy = not sampling.sampled_drafts
+            drafts, cand, q = selector.walk(hidden[:, 1:], logits, anchor, None if greedy else keys,
+                                            sampling.temperature)
         return drafts, None if q is None else dflash2.scatter_probs(q, cand, logits.shape[-1]), cache
 
     def commit(self, *, params, view, state, verified: TargetOutput, n):

@@ -84,18 +84,23 @@ def _position_terms(loop: SpeculativeLoop, params, state, draft, logits):
     p_d = jnp.take_along_axis(p, d, axis=-1)[..., 0]
     if draft.q is None:  # greedy drafts: q one-hot
         rule = p_d
-    else:
+    else:  # per-row rules give a one-hot q in their greedy-draft rows: the same p(d)
         rule = jnp.minimum(1.0, p_d / jnp.take_along_axis(draft.q, d, axis=-1)[..., 0])
-    if isinstance(rules, RowSampling):  # drafts are greedy; greedy rows accept the argmax only
-        greedy_row = (rules.temperature == 0)[:, None]
-        return jnp.where(greedy_row, hit, rule), jnp.full_like(rule, jnp.nan), jnp.where(greedy_row, 1.0, p.max(-1))
     q = draft.q
-    if q is None:  # the drafter's distribution at these settings, from the state the drafts came from
+    if isinstance(rules, RowSampling):  # every row's q, sampled or not (the keys do not change it)
+        full = dataclasses.replace(rules, sampled_drafts=jnp.ones_like(rules.sampled_drafts))
+    else:
+        full = None if rules.sampled_drafts else dataclasses.replace(rules, draft_mode="sampled")
+    if full is not None:  # the drafter's distribution at these settings, from the state the drafts came from
         _, q, _ = loop.proposer.propose(params=params[1], view=TargetView.of(params[0]), state=state.proposer,
-                                        anchor=state.anchor, k=k, keys=state.keys,
-                                        sampling=dataclasses.replace(rules, draft_mode="sampled"))
+                                        anchor=state.anchor, k=k, keys=state.keys, sampling=full)
     overlap = jnp.full_like(rule, jnp.nan) if q is None else jnp.minimum(p, q).sum(-1)  # None: no distribution
-    return rule, overlap, p.max(-1)
+    top = p.max(-1)
+    if isinstance(rules, RowSampling):  # greedy rows accept the argmax only
+        greedy_row = (rules.temperature == 0)[:, None]
+        rule, overlap, top = jnp.where(greedy_row, hit, rule), jnp.where(greedy_row, hit, overlap), jnp.where(
+            greedy_row, 1.0, top)
+    return rule, overlap, top
 
 
 def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: RowSampling | None = None,
@@ -135,10 +140,12 @@ def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: Ro
 
 def table(assets: str | Path = Path(__file__).parents[1] / "assets", *, temperatures=(0.0, 0.7, 1.0),
           draft_modes=DRAFT_MODES, block_size: int = 16, n_prompts: int = 16, max_new_tokens: int = 128,
-          seed: int = 0, drafter: str | Path | None = None, json_out: str | Path | None = None) -> list[dict]:
+          seed: int = 0, drafter: str | Path | None = None, json_out: str | Path | None = None,
+          per_row: bool = False) -> list[dict]:
     """τ and per-position acceptance of the pair in ``assets`` (``target/``, ``drafter/``; ``drafter`` another
     drafter folder) on ``evaluate.eval_prompts`` (HumanEval/0..n-1), no stop ids, one row per (temperature,
-    draft mode; greedy decoding once), printed as they come and written to ``json_out`` when given::
+    draft mode: "greedy", "sampled" or "auto", the default; greedy decoding once), printed as they come and
+    written to ``json_out`` when given; ``per_row``: the settings as ``RowSampling`` (the server's path)::
 
         python -c "from dflash_jax.perf.acceptance import table; table(temperatures=(0, 0.7))"
     """
@@ -160,12 +167,16 @@ def table(assets: str | Path = Path(__file__).parents[1] / "assets", *, temperat
         for mode in draft_modes if t > 0 else ("greedy",):
             cfg = SamplingConfig(temperature=t, draft_mode=mode)
             spec = SpecConfig(block_size=block_size, max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=())
+            if per_row:
+                spec = dataclasses.replace(spec, sampling=SamplingConfig())
             loop = SpeculativeLoop.of(target, proposer, spec)
-            stats = measure(loop, params, tokens, lens, rng=seed)
+            stats = measure(loop, params, tokens, lens, rng=seed,
+                            rows=RowSampling.of([cfg] * len(prompts)) if per_row else None)
             rows.append({"prompts": source, "temperature": t, "draft_mode": mode, "block_size": block_size,
-                         **stats.summary()})
+                         "per_row": per_row, **stats.summary()})
             first = {n: np.round(stats.rate(n)[:4], 3).tolist() for n in ("accepted", "rule", "overlap", "top")}
-            print(f"T={t:g} drafts={mode}: tau {stats.tau:.3f}  z {stats.z():+.2f}  positions 1-4: accepted "
+            where = " per row" if per_row else ""
+            print(f"T={t:g} drafts={mode}{where}: tau {stats.tau:.3f}  z {stats.z():+.2f}  positions 1-4: accepted "
                   f"{first['accepted']} rule {first['rule']} sum-min(p,q) {first['overlap']} max-p {first['top']}",
                   flush=True)
     if json_out:

@@ -358,6 +358,58 @@ def test_speculative_sampling_matches_exact_distribution(mode, monkeypatch):
     assert chi2_pvalue(wrong.sum(0).ravel(), joint3.sum(0).ravel()) < 1e-6
 
 
+def _row_batch(target, drafter, configs, prompts, keys, max_new, bucket=8):
+    """The loop on every prompt once per config in one batch (per-row rules, ``RowSampling``, the server's
+    path), row i * len(prompts) + j: config i, prompt j, key j."""
+    spec = SpecConfig(block_size=drafter.cfg.block_size, max_new_tokens=max_new, stop_ids=())
+    loop = gen.SpeculativeLoop.of(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec)
+    tokens, lengths = pad_prompts([p for _ in configs for p in prompts], bucket)
+    rows = sampling.RowSampling.of([c for c in configs for _ in prompts])
+    params = (target.params, drafter.params)
+    state = loop.init(params, jnp.asarray(tokens), jnp.asarray(lengths), jnp.concatenate([keys] * len(configs)), rows)
+    return loop.decode(params, state)[0]
+
+
+MIXED = (SamplingConfig(1.0), SamplingConfig(1.0, draft_mode="greedy"), SamplingConfig(0.0))
+
+
+def test_a_mixed_row_batch_drafts_each_row_by_its_mode_as_generate_does():
+    """Sampled-draft (the default), greedy-draft and greedy rows in one per-row batch, on the same prompts and
+    keys: the sampled-draft rows' tokens are ``generate``'s with their config (whose sampled drafts the
+    exact-distribution tests cover), and the greedy-draft rows' differ from them, so a row drafting by the
+    wrong mode shows."""
+    target, drafter = sharp_tiny_target(V, sharpness=10.0), tiny_drafter(V)  # p neither uniform nor one-hot
+    prompts = [[1, 5, 2], [3, 3], [6, 1, 4, 2], [2]]
+    keys = jax.random.split(jax.random.key(5), len(prompts))
+    n = len(prompts)
+    batch = _row_batch(target, drafter, MIXED, prompts, keys, max_new=8).token_lists()
+    spec = SpecConfig(block_size=3, max_new_tokens=8, sampling=MIXED[0], stop_ids=())
+    alone = make_generate(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec)(
+        (target.params, drafter.params), *pad_prompts(prompts, 8), keys).token_lists()
+    assert batch[:n] == alone
+    assert batch[n:2 * n] != alone
+
+
+@pytest.mark.slow
+def test_a_mixed_row_batch_samples_each_rows_exact_distribution():
+    """6000 rows, sampled drafts and greedy drafts alternating in one per-row batch: each half's first three
+    tokens follow plain sampling's exact joint law."""
+    target, drafter = sharp_tiny_target(V), tiny_drafter(V)
+    configs = MIXED[:2]
+    prompt = np.array([1, 5, 2], np.int32)
+    exact = exact_joint(target, prompt, configs[0]).reshape(V, V, V)
+    N = 3000
+    out = _row_batch(target, drafter, configs, [prompt.tolist()] * N, jax.random.split(jax.random.key(7), N),
+                     max_new=3, bucket=4)
+    seqs = np.asarray(out.tokens)
+    for i, cfg in enumerate(configs):
+        rows = seqs[i * N:(i + 1) * N]
+        c3 = np.bincount(np.ravel_multi_index(rows.T, (V,) * 3), minlength=V**3).reshape(V, V, V)
+        assert chi2_pvalue(c3.sum((0, 2)), exact.sum((0, 2))) > 1e-4, cfg
+        assert chi2_pvalue(c3.sum((0, 1)), exact.sum((0, 1))) > 1e-4, cfg
+        assert chi2_pvalue(c3.sum(0).ravel(), exact.sum(0).ravel()) > 1e-4, cfg
+
+
 def test_batch_row_equals_the_prompt_run_alone():
     target = sharp_tiny_target(V)
     keys = jax.random.split(jax.random.key(11), 3)

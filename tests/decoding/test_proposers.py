@@ -18,7 +18,7 @@ import pytest
 from dflash_jax.config import DrafterConfig, TargetConfig
 from dflash_jax.decoding.mtp import MTPProposer
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, OracleParams, OracleProposer, Proposer, TargetView
-from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
 from dflash_jax.models import drafter as dr
 from dflash_jax.models.target import init_target
 
@@ -34,10 +34,10 @@ def _target(tie: bool = False):
     return init_target(cfg, seed=3)
 
 
-def _drafter(target, block=4):
+def _drafter(target, block=4, **dflash2):
     cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                            head_dim=16, intermediate_size=24, vocab_size=V, block_size=block, mask_token_id=V - 1,
-                           target_layer_ids=(0, 1), num_target_layers=2)
+                           target_layer_ids=(0, 1), num_target_layers=2, **dflash2)
     return dr.init_drafter(cfg, seed=4)
 
 
@@ -128,6 +128,30 @@ def test_dflash_proposer_drafts_the_drafter_block_argmax():
     verified = dataclasses.replace(out, taps=out.taps[:, :4])
     after = p.commit(params=d.params, view=view, state=new, verified=verified, n=jnp.array([1, 3]))
     np.testing.assert_array_equal(after.lengths, lens + jnp.array([1, 3]))
+
+
+def test_dflash2_per_row_walks_are_each_rows_own():
+    """A DFlash2 drafter's selector walk under per-row rules (greedy, sampled drafts, greedy drafts, another
+    temperature in one batch): each row's drafts and q are those of its own config, greedy rows take the argmax
+    path with q one-hot, sampled rows leave it (the random selector's scores are flat)."""
+    target = _target()
+    d = _drafter(target, conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
+    p = DFlashProposer(d.cfg, d.graphdef)
+    configs = [SamplingConfig(), SamplingConfig(1.0), SamplingConfig(1.0, draft_mode="greedy"), SamplingConfig(0.7)]
+    prompts, lens, out = _prefilled(target, p.taps, (5, 3, 4, 2))
+    view = TargetView.of(target.params)
+    state = p.init(params=d.params, view=view, prefill=out, prompts=prompts, prompt_lens=lens, capacity=16)
+    kw = dict(params=d.params, view=view, state=state, anchor=jnp.array([7, 2, 7, 2], jnp.int32), k=3,
+              keys=jax.random.split(jax.random.key(1), 4))
+    drafts, q = jax.jit(lambda rows: p.propose(**kw, sampling=rows)[:2])(RowSampling.of(configs))
+    propose = jax.jit(lambda cfg: p.propose(**kw, sampling=cfg)[:2], static_argnums=0)  # a SamplingConfig: static
+    path, _ = propose(SamplingConfig())  # the argmax path: every greedy-draft row's alone
+    for b, cfg in enumerate(configs):
+        alone, q_alone = propose(cfg) if cfg.sampled_drafts else (path, None)  # row b of every row with cfg
+        np.testing.assert_array_equal(drafts[b], alone[b], err_msg=str(cfg))
+        want_q = jax.nn.one_hot(alone[b], V) if q_alone is None else q_alone[b]
+        np.testing.assert_allclose(q[b], want_q, atol=1e-6, err_msg=str(cfg))
+        assert (np.asarray(drafts[b]) != np.asarray(path[b])).any() == cfg.sampled_drafts, cfg
 
 
 def test_oracle_proposer_corrupts_the_chosen_offset_and_follows_commits():

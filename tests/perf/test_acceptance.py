@@ -16,6 +16,7 @@ from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
 from dflash_jax.perf.acceptance import measure
 
 V, SHARPNESS, BLOCK, ROWS = 8, 10.0, 4, 96
+T06 = SamplingConfig(temperature=0.6, draft_mode="sampled")  # = the default's drafts; one compiled program
 
 
 def _pair(vocab=V, sharpness=SHARPNESS):
@@ -68,14 +69,17 @@ def test_sampled_acceptance_matches_the_rule_and_a_wrong_rule_shows(pair, mode, 
 
 @pytest.mark.slow
 def test_per_row_settings_match_the_rule(pair):
-    rows = RowSampling.of([SamplingConfig(temperature=0.0 if b % 3 == 0 else 0.8) for b in range(ROWS)])
+    """Greedy rows, rows with sampled drafts (the default) and rows with greedy drafts in one batch."""
+    modes = ("auto", "auto", "greedy")
+    rows = RowSampling.of([SamplingConfig(temperature=0.0 if b % 4 == 0 else 0.8, draft_mode=modes[b % 3])
+                           for b in range(ROWS)])
     stats = _measure(pair, SamplingConfig(), rows=rows)
     assert abs(stats.z()) < 4.5, stats.summary()
-    assert np.isnan(stats.rate("overlap")).all()  # per-row drafts are greedy: no q to compare
+    assert np.isfinite(stats.rate("overlap")).all() and np.nanmax(stats.rate("overlap")) <= 1 + 1e-5
 
 
 def test_summary_and_expected_tau(pair):
-    stats = _measure(pair, SamplingConfig(temperature=0.6))  # the configuration of the tests above: compiled
+    stats = _measure(pair, T06)  # the configuration of the tests above: compiled
     summary = stats.summary()
     assert summary["steps"] == stats.steps and len(summary["accepted"]) == BLOCK - 1
     rates = np.nan_to_num(stats.rate("accepted"))
@@ -87,9 +91,9 @@ def test_summary_and_expected_tau(pair):
 
 
 def test_tau_is_the_loops(pair):
-    stats = _measure(pair, SamplingConfig(temperature=0.6))
+    stats = _measure(pair, T06)
     target, drafter, (tokens, lens) = pair
-    spec = SpecConfig(block_size=BLOCK, max_new_tokens=12, sampling=SamplingConfig(temperature=0.6), stop_ids=())
+    spec = SpecConfig(block_size=BLOCK, max_new_tokens=12, sampling=T06, stop_ids=())
     out = SpeculativeLoop.of(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec).run(
         (target.params, drafter.params), jnp.asarray(tokens), jnp.asarray(lens), 5)
     assert stats.steps == int(np.asarray(out.steps).sum())
