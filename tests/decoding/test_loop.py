@@ -373,6 +373,9 @@ def _row_batch(target, drafter, configs, prompts, keys, max_new, bucket=8):
 MIXED = (SamplingConfig(1.0), SamplingConfig(1.0, draft_mode="greedy"), SamplingConfig(0.0))
 
 
+# By default tests/serve/test_engine.py's seeded request (= generate, both drafting sampled) guards the loop's
+# per-row drafts, and test_row_sampling each row's draft mode.
+@pytest.mark.slow
 def test_a_mixed_row_batch_drafts_each_row_by_its_mode_as_generate_does():
     """Sampled-draft (the default), greedy-draft and greedy rows in one per-row batch, on the same prompts and
     keys: the sampled-draft rows' tokens are ``generate``'s with their config (whose sampled drafts the

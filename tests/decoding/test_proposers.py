@@ -130,12 +130,35 @@ def test_dflash_proposer_drafts_the_drafter_block_argmax():
     np.testing.assert_array_equal(after.lengths, lens + jnp.array([1, 3]))
 
 
+DF2 = dict(conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)  # a tiny DFlash2 drafter
+
+
+def test_dflash2_selector_walks_each_row_at_its_own_temperature():
+    """The candidate selector's walk with per-row temperatures [B] (0: the argmax path, q one-hot over the
+    candidates) is, row by row, the walk at that row's scalar temperature with the same key."""
+    selector = _drafter(_target(), **DF2).module().candidate_selector
+    B, k = 3, 4
+    hidden = jax.random.normal(jax.random.key(0), (B, k, 16))
+    logits = jax.random.normal(jax.random.key(1), (B, k, V))  # flat: sampled walks leave the argmax path
+    anchor, keys = jnp.array([7, 2, 9], jnp.int32), jax.random.split(jax.random.key(2), B)
+    temperature = jnp.array([0.0, 1.0, 0.5], jnp.float32)
+    drafts, cand, q = selector.walk(hidden, logits, anchor, keys, temperature)
+    path, _, _ = selector.walk(hidden, logits, anchor, None)
+    for b, t in enumerate(temperature.tolist()):
+        alone, _, q_alone = selector.walk(hidden, logits, anchor, keys, t) if t else (path, None, None)
+        np.testing.assert_array_equal(drafts[b], alone[b])
+        want_q = jax.nn.one_hot(jnp.argmax(cand[b] == drafts[b][:, None], -1), 5) if q_alone is None else q_alone[b]
+        np.testing.assert_allclose(q[b], want_q, atol=1e-6)
+        assert (np.asarray(drafts[b]) != np.asarray(path[b])).any() == (t > 0), t
+
+
+@pytest.mark.slow
 def test_dflash2_per_row_walks_are_each_rows_own():
     """A DFlash2 drafter's selector walk under per-row rules (greedy, sampled drafts, greedy drafts, another
     temperature in one batch): each row's drafts and q are those of its own config, greedy rows take the argmax
     path with q one-hot, sampled rows leave it (the random selector's scores are flat)."""
     target = _target()
-    d = _drafter(target, conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
+    d = _drafter(target, **DF2)
     p = DFlashProposer(d.cfg, d.graphdef)
     configs = [SamplingConfig(), SamplingConfig(1.0), SamplingConfig(1.0, draft_mode="greedy"), SamplingConfig(0.7)]
     prompts, lens, out = _prefilled(target, p.taps, (5, 3, 4, 2))
