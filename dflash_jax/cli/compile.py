@@ -16,6 +16,7 @@ from dflash_jax.cli import args as cli_args
 from dflash_jax.io import atomic
 
 SHAPES = ("shipped", "27b", "35b-a3b")
+DRAFTERS = ("dflash", "dflash2")  # compile_report.DRAFTERS (not imported here: it loads JAX's model code)
 
 
 def compiler_option(text: str) -> tuple[str, object]:
@@ -39,9 +40,17 @@ def check_args(args) -> None:
     for flag, values in (("--batch", args.batch), ("--tp", args.tp)):
         if not values or min(values) < 1:
             raise ValueError(f"{flag} {','.join(map(str, values))}: every value must be >= 1")
+    if args.tree is not None and (not args.tree or min(args.tree) < 1):
+        raise ValueError(f"--tree {','.join(map(str, args.tree))}: every budget must be >= 1")
     for flag, value in (("--block", args.block), ("--context", args.context)):
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{flag} {value}: must be >= 1")
+    if args.tree is not None and args.block is not None and args.block < 2:
+        raise ValueError(f"--block {args.block}: a tree needs depth block - 1 >= 1 (--block >= 2)")
+    if args.drafter != "dflash" and args.shape == "shipped":
+        raise ValueError(f"--drafter {args.drafter}: only for --shape 27b or 35b-a3b (the shipped drafter is DFlash)")
+    if "walk" in args.programs and args.drafter != "dflash2":
+        raise ValueError("--programs walk: the selector walk needs --drafter dflash2")
     if args.json:
         parent = Path(args.json).absolute().parent
         if not parent.is_dir():
@@ -66,7 +75,9 @@ def cmd_compile(args) -> int:
     if args.shape == "shipped":
         configs = (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
     else:
-        configs = synthetic.REAL_SHAPES[args.shape]
+        configs = compile_report.real_configs(args.shape, drafter=args.drafter)
+    block = args.block or synthetic.drafter_config(configs[1]).block_size
+    name = args.shape if args.drafter == "dflash" else f"{args.shape}+{args.drafter}"
     options = dict(args.compiler_option)
     kernels = args.kernels if args.kernels != "auto" else "tpu" if args.platform == "tpu" else "pallas"
     rows = []
@@ -77,9 +88,10 @@ def cmd_compile(args) -> int:
 
     for tp in args.tp:
         for batch in args.batch:
-            setup = compile_report.abstract_setup(*configs, devices, shape=args.shape, kernels=kernels,
-                                                  model=tp, batch=batch, block=args.block, context=args.context)
-            compile_report.report(setup, args.programs, compiler_options=options, tau=args.tau, on_row=emit)
+            for tree in args.tree or (None,):
+                setup = compile_report.abstract_setup(*configs, devices, shape=name, kernels=kernels, model=tp,
+                                                      batch=batch, block=block, context=args.context, tree=tree)
+                compile_report.report(setup, args.programs, compiler_options=options, tau=args.tau, on_row=emit)
     print(compile_report.format_rows(rows))
     if args.json:
         atomic.write_text(args.json, json.dumps(rows, indent=1))
@@ -113,12 +125,23 @@ def add_parser(sub) -> None:
     p.add_argument("--tp", type=cli_args.ints, default=[1],
                    help="comma-separated tensor-parallel sizes (chips of the topology; 1 = one chip)")
     p.add_argument("--batch", type=cli_args.ints, default=[1], help="comma-separated batch sizes")
-    p.add_argument("--block", type=int, default=16, help="DFlash block: verify(block) against decode(1)")
+    p.add_argument("--block", type=int, default=None,
+                   help="DFlash block: verify(block) against decode(1); a tree's depth is block - 1 "
+                        "(default: the drafter's block, 16 for DFlash, 8 for the released DFlash2)")
+    p.add_argument("--tree", type=cli_args.ints, default=None, metavar="N[,N...]",
+                   help="comma-separated DDTree budgets: the drafts are a tree of N nodes, verify runs N + 1 "
+                        "tokens (one configuration per budget; default: a chain)")
+    p.add_argument("--drafter", choices=tuple(DRAFTERS), default="dflash",
+                   help="the drafter of --shape 27b / 35b-a3b: its DFlash drafter, or DFlash2 with the released "
+                        "Qwen3.8-27B-DFlash2 settings on its shape (block 8, five sliding layers of 2048, conv "
+                        "kernel 2, groups of 16, selector rank 256, top-16)")
     p.add_argument("--context", type=int, default=4096,
-                   help="cache positions attended (the cache holds context + 2 x block)")
+                   help="cache positions attended (the cache holds context + 2 x max(block, tree + 1), rounded "
+                        "up to 128)")
     p.add_argument("--programs", type=_programs, default=("decode", "verify", "step"),
-                   help="comma-separated: decode (plain step, T=1), verify (T=block), settle, draft, step, "
-                        "loop (the on-device while-loop), run (prefill + loop: the whole generate)")
+                   help="comma-separated: decode (plain step, T=1), verify (T=block, or tree + 1), settle, draft, "
+                        "step, loop (the on-device while-loop), run (prefill + loop: the whole generate), walk "
+                        "(a DFlash2 drafter's candidate-selector walk alone)")
     p.add_argument("--kernels", choices=("auto", "reference", "tpu", "pallas"), default="auto",
                    help="the models' kernel mode: auto = the platform's (tpu: the Mosaic kernels where an op has one; "
                         "cuda: pallas, the Triton kernels); reference = the XLA forms everywhere")

@@ -18,16 +18,19 @@ commit), ``verify`` (the DFlash check, the target over the block, its state dona
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from dflash_jax import parallel
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
-from dflash_jax.decoding.proposers import DFlashProposer, NoProposer
+from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, TargetView
+from dflash_jax.models.drafter import draft_logits
 from dflash_jax.perf import roofline, synthetic
 
 # Memory per chip (bytes) by the compile-only device's ``device_kind`` (the vendors' data sheets).
@@ -41,7 +44,9 @@ GPUS = {
 }
 # The chip names users know (Cloud TPU's) for libtpu's ``device_kind``: a v5p chip calls itself "TPU v5".
 CHIP_NAMES = {"TPU v5": "TPU v5p", "TPU v5 lite": "TPU v5e", "TPU v6 lite": "TPU v6e"}
-PROGRAMS = ("decode", "verify", "settle", "draft", "step", "loop", "run")
+PROGRAMS = ("decode", "verify", "settle", "draft", "step", "loop", "run", "walk")
+# The drafters a Qwen3.5 shape is compiled with: its DFlash drafter, or the released DFlash2 settings on its shape.
+DRAFTERS = {"dflash": lambda raw: raw, "dflash2": synthetic.dflash2_drafter}
 TAU = 10.377  # the report's 27B HumanEval tokens per step at block 16 (MI355X, vLLM)
 
 
@@ -129,13 +134,23 @@ class Setup:
     block: int = 16
     context: int = 4096  # cache positions the step's tokens attend (capacity: ``capacity``)
     prompt: int = 16  # prompt bucket of the abstract init (its prefill is traced, not compiled)
+    tree: int | None = None  # a DDTree budget N: the drafts are a tree of N nodes (depth <= block - 1)
+
+    def __post_init__(self):
+        if self.tree is not None and (isinstance(self.tree, bool) or not isinstance(self.tree, int) or self.tree < 1):
+            raise ValueError(f"--tree {self.tree}: a tree budget must be an integer >= 1")
+
+    @property
+    def width(self) -> int:
+        """Target tokens per row of one verify: the block, or the tree's N + 1 nodes."""
+        return self.block if self.tree is None else self.tree + 1
 
     @property
     def capacity(self) -> int:
-        """context + 2 x block, rounded up to a multiple of 128: a TPU holds the V cache [.., H, S] tiled by 128
-        along S, and at another length the compiler copies the whole V cache into that layout before the
-        attention kernel reads it (measured: a 268 MB temporary per layer at 128K)."""
-        return -(-(self.context + 2 * self.block) // 128) * 128
+        """context + 2 x max(block, width), rounded up to a multiple of 128: a TPU holds the V cache [.., H, S]
+        tiled by 128 along S, and at another length the compiler copies the whole V cache into that layout
+        before the attention kernel reads it (measured: a 268 MB temporary per layer at 128K)."""
+        return -(-(self.context + 2 * max(self.block, self.width)) // 128) * 128
 
 
 def _placed(tree, shardings):
@@ -152,51 +167,80 @@ def _on(tree, device_sharding):
 _DONATED_CHECK = jax.jit(SpeculativeLoop.check, static_argnums=0, donate_argnums=2)
 
 
-def programs(setup: Setup) -> dict[str, tuple]:
-    """name -> (jitted phase, its abstract arguments, target tokens per row), ready for ``.lower``."""
-    s = setup
+@functools.partial(jax.jit, static_argnums=0)
+def _selector_walk(proposer: DFlashProposer, params, hidden, logits, anchor):
+    """A DFlash2 drafter's greedy candidate-selector walk alone, as ``DFlashProposer.propose`` runs it."""
+    return nnx.merge(proposer.graphdef, params).candidate_selector.walk(hidden, logits, anchor, None)[0]
+
+
+def programs(setup: Setup, names=PROGRAMS) -> dict[str, tuple]:
+    """name -> (jitted phase, its abstract arguments, target tokens per row), ready for ``.lower``, for each of
+    ``names`` (only what they need is traced). ``walk`` (a DFlash2 drafter's selector walk over the block's
+    k = block - 1 draft positions) only for a DFlash2 drafter."""
+    s, names = setup, set(names)
     devices = list(s.devices)[:s.model]
     mesh = None if s.model == 1 else parallel.make_mesh(model=s.model, devices=devices)
-    max_new = s.capacity - s.prompt - s.block
-    spec = SpecConfig(block_size=s.block, max_new_tokens=max_new, stop_ids=(), capacity=s.capacity)
+    one = jax.sharding.SingleDeviceSharding(devices[0])
+    max_new = s.capacity - s.prompt - max(s.block, s.width)
+    spec = SpecConfig(block_size=s.block, max_new_tokens=max_new, stop_ids=(), capacity=s.capacity,
+                      tree_budget=s.tree)
     dflash = DFlashProposer(s.drafter.cfg, s.drafter.graphdef)
-    loops = {"plain": SpeculativeLoop.of(s.target, NoProposer(), dataclasses.replace(spec, block_size=1), mesh),
+    loops = {"plain": SpeculativeLoop.of(s.target, NoProposer(), dataclasses.replace(spec, block_size=1,
+                                                                                     tree_budget=None), mesh),
              "dflash": SpeculativeLoop.of(s.target, dflash, spec, mesh)}
     pparams = {"plain": (), "dflash": s.drafter.params}
-    tokens = jax.ShapeDtypeStruct((s.batch, s.prompt), jnp.int32)
-    lengths = jax.ShapeDtypeStruct((s.batch,), jnp.int32)
-    args = {}
-    for kind, loop in loops.items():
-        params = (s.target.params, pparams[kind])
+
+    def rows(*shapes):  # abstract per-row inputs, on the chip or split over the mesh's data axis
+        structs = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
         if mesh is None:
-            one = jax.sharding.SingleDeviceSharding(devices[0])
-            params, rows = _on(params, one), _on((tokens, lengths), one)
+            return _on(tuple(structs), one)
+        return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.shape))
+                     for x in structs)
+
+    def placed(kind):  # (params, state, prompt rows) of the plain or DFlash loop
+        loop, params = loops[kind], (s.target.params, pparams[kind])
+        if mesh is None:
+            params = _on(params, one)
         else:
             tlay, dlay = parallel.layouts(mesh, s.target.cfg, loop.proposer)
             params = (_placed(params[0], parallel.param_shardings(params[0], tlay)),
                       _placed(params[1], parallel.param_shardings(params[1], dlay or tlay)))
-            rows = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.shape))
-                         for x in (tokens, lengths))
-        state = jax.eval_shape(lambda p, t, n, loop=loop: loop.init(p, t, n, 0), params, *rows)
+        prompts = rows(((s.batch, s.prompt), jnp.int32), ((s.batch,), jnp.int32))
+        if names <= {"walk"}:
+            return params, None, prompts
+        state = jax.eval_shape(lambda p, t, n: loop.init(p, t, n, 0), params, *prompts)
         if mesh is None:
             state = _on(state, one)
         else:
             state = _placed(state, parallel.state_shardings(state, s.batch, *parallel.layouts(
                 mesh, s.target.cfg, loop.proposer)))
-        args[kind] = params, state, rows
-    loop, (params, state, rows) = loops["dflash"], args["dflash"]
+        return params, state, prompts
+
+    built = {}
+    if "decode" in names:
+        built["decode"] = (SpeculativeLoop.step, (loops["plain"], *placed("plain")[:2]), 1)
+    if not names - {"decode"}:
+        return built
+    loop, (params, state, prompts) = loops["dflash"], placed("dflash")
+    if "walk" in names and s.drafter.cfg.dflash2:  # inputs as propose has them: hidden [B, k, D], logits [B, k, V]
+        hidden = jax.ShapeDtypeStruct((s.batch, s.block - 1, s.drafter.cfg.hidden_size), s.target.dtype)
+        logits = jax.eval_shape(lambda t, h: draft_logits(s.drafter.cfg, TargetView.of(t).logits(h)),
+                                params[0], hidden)
+        walk = rows((hidden.shape, hidden.dtype), (logits.shape, logits.dtype), ((s.batch,), jnp.int32))
+        built["walk"] = (_selector_walk, (dflash, params[1], *walk), 0)
+    if names <= {"decode", "walk"}:
+        return built
     draft = jax.eval_shape(loop.draft, params, state)
-    verified = jax.eval_shape(loop.check, params, state, draft)
+    verified = jax.eval_shape(loop.check, params, state, draft) if "settle" in names else None
     if mesh is None:
         draft, verified = _on(draft, one), _on(verified, one)
-    return {
-        "decode": (SpeculativeLoop.step, (loops["plain"], *args["plain"][:2]), 1),
-        "verify": (_DONATED_CHECK, (loop, params, state, draft), s.block),
+    return built | {
+        "verify": (_DONATED_CHECK, (loop, params, state, draft), s.width),
         "settle": (SpeculativeLoop.settle, (loop, params, state, draft, verified), 0),
         "draft": (SpeculativeLoop.draft, (loop, params, state), 0),
-        "step": (SpeculativeLoop.step, (loop, params, state), s.block),
-        "loop": (SpeculativeLoop.decode, (loop, params, state), s.block),
-        "run": (SpeculativeLoop.run, (loop, params, *rows, 0), s.block),
+        "step": (SpeculativeLoop.step, (loop, params, state), s.width),
+        "loop": (SpeculativeLoop.decode, (loop, params, state), s.width),
+        "run": (SpeculativeLoop.run, (loop, params, *prompts, 0), s.width),
     }
 
 
@@ -258,13 +302,17 @@ def physics_flops(setup: Setup, tokens: int) -> float:
 def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None, tau: float = TAU,
            on_row=None) -> list[dict]:
     """One row per compiled program of ``setup`` (``on_row(row)`` as each finishes), then the summary row
-    ``ratio``: verify(block) / decode(1) by the compiler's time and projected tokens/s per chip at ``tau``."""
+    ``ratio``: verify(width) / decode(1) by the compiler's time and projected tokens/s per chip at ``tau``; with
+    ``walk`` (a DFlash2 drafter), the selector walk's share of ``step`` and ``draft`` (time, FLOPs, bytes)."""
     device = setup.devices[0]
     hbm = HBM_BYTES.get(device.device_kind)
     head = dict(shape=setup.shape, device=CHIP_NAMES.get(device.device_kind, device.device_kind),
                 device_kind=device.device_kind, kernels=setup.target.kernels, chips=setup.model, batch=setup.batch,
-                block=setup.block, context=setup.context, hbm_bytes=hbm, compiler_options=compiler_options or {})
-    built = programs(setup)
+                block=setup.block, tree=setup.tree, width=setup.width, context=setup.context,
+                capacity=setup.capacity, hbm_bytes=hbm, compiler_options=compiler_options or {})
+    built = programs(setup, names)
+    if "walk" in names and "walk" not in built:
+        raise ValueError("--programs walk: the selector walk needs a DFlash2 drafter (--drafter dflash2)")
     rows = {}
     for name in names:
         phase, args, tokens = built[name]
@@ -276,14 +324,19 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
         if on_row:
             on_row(row)
     out = list(rows.values())
-    if "decode" in rows and "verify" in rows and not math.isnan(rows["decode"]["optimal_seconds"] +
-                                                                 rows["verify"]["optimal_seconds"]):
-        t1, tv = rows["decode"]["optimal_seconds"], rows["verify"]["optimal_seconds"]
-        summary = dict(head, program="ratio", verify_over_decode=tv / t1,
-                       plain_tok_s_per_chip=setup.batch / t1 / setup.model)
-        if "step" in rows:
-            summary["dflash_tok_s_per_chip"] = setup.batch * tau / rows["step"]["optimal_seconds"] / setup.model
-            summary["tau"] = tau
+    seconds = {name: row["optimal_seconds"] for name, row in rows.items() if not math.isnan(row["optimal_seconds"])}
+    summary = dict(head, program="ratio")
+    if "decode" in seconds and "verify" in seconds:
+        summary.update(verify_over_decode=seconds["verify"] / seconds["decode"],
+                       plain_tok_s_per_chip=setup.batch / seconds["decode"] / setup.model)
+        if "step" in seconds:
+            summary.update(dflash_tok_s_per_chip=setup.batch * tau / seconds["step"] / setup.model, tau=tau)
+    for whole in ("step", "draft"):
+        if "walk" in rows and whole in rows:
+            walk, of = rows["walk"], rows[whole]
+            summary[f"walk_share_of_{whole}"] = {key: walk[key] / of[key] if of[key] else math.nan
+                                                  for key in ("optimal_seconds", "flops", "bytes_accessed")}
+    if len(summary) > len(head) + 1:
         out.append(summary)
         if on_row:
             on_row(summary)
@@ -298,11 +351,14 @@ def abstract_setup(target_config, drafter_config, devices, *, shape: str = "", k
                  drafter=synthetic.abstract_drafter(drafter_config, kernels=kernels), devices=tuple(devices), **kw)
 
 
-def real_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
-    """The ``config.json`` dicts of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter; with
+def real_configs(shape: str, layers: int | None = None, drafter: str = "dflash") -> tuple[dict, dict]:
+    """The ``config.json`` dicts of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter
+    (``drafter`` "dflash2": the released DFlash2 drafter of that shape, ``synthetic.dflash2_drafter``); with
     ``layers``, the target's first ``layers`` layers (same layer shapes and pattern; the drafter taps the last
     one in place of deeper ones): a probe whose per-layer costs extrapolate to the whole model."""
-    target, drafter = synthetic.REAL_SHAPES[shape]
+    if drafter not in DRAFTERS:
+        raise ValueError(f"--drafter {drafter}: one of {', '.join(DRAFTERS)}")
+    target, drafter = synthetic.REAL_SHAPES[shape][0], DRAFTERS[drafter](synthetic.REAL_SHAPES[shape][1])
     if layers is None:
         return target, drafter
     if not 1 <= layers <= target["num_hidden_layers"]:
@@ -312,11 +368,13 @@ def real_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
     return dict(target, num_hidden_layers=layers), dict(drafter, num_target_layers=layers, dflash_config=dflash)
 
 
-def real_setup(shape: str, devices, *, layers: int | None = None, **kw) -> Setup:
-    """``abstract_setup`` of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter (``layers``:
-    ``real_configs``)."""
-    name = shape if layers is None else f"{shape}/{layers}L"
-    return abstract_setup(*real_configs(shape, layers), devices, shape=name, **kw)
+def real_setup(shape: str, devices, *, layers: int | None = None, drafter: str = "dflash", **kw) -> Setup:
+    """``abstract_setup`` of the Qwen3.5 ``shape`` (``synthetic.REAL_SHAPES``) and its DFlash drafter (``layers``,
+    ``drafter``: ``real_configs``); the block defaults to the drafter's."""
+    target, draft = real_configs(shape, layers, drafter)
+    name = (shape if layers is None else f"{shape}/{layers}L") + ("" if drafter == "dflash" else f"+{drafter}")
+    kw.setdefault("block", draft.get("block_size", 16))
+    return abstract_setup(target, draft, devices, shape=name, **kw)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -327,16 +385,27 @@ def format_rows(rows: list[dict]) -> str:
     for r in rows:
         where = f"| {r['shape']} | {r['device']} x {r['chips']} | {r['batch']} "
         if r["program"] == "ratio":
-            dflash = r.get("dflash_tok_s_per_chip")
-            lines.append(where + f"| **verify({r['block']}) / decode(1) = {r['verify_over_decode']:.3f}**; "
-                         f"tok/s per chip: plain {r['plain_tok_s_per_chip']:.0f}"
-                         + ("" if dflash is None else f", DFlash {dflash:.0f} (tau {r['tau']})") + " ||||||||")
+            parts = []
+            if "verify_over_decode" in r:
+                dflash = r.get("dflash_tok_s_per_chip")
+                verify = f"verify({r['width']})" if r.get("tree") is None else f"tree verify({r['width']})"
+                parts.append(f"**{verify} / decode(1) = {r['verify_over_decode']:.3f}**; tok/s per chip: plain "
+                             f"{r['plain_tok_s_per_chip']:.0f}"
+                             + ("" if dflash is None else f", DFlash {dflash:.0f} (tau {r['tau']})"))
+            for whole in ("step", "draft"):
+                share = r.get(f"walk_share_of_{whole}")
+                if share:
+                    parts.append(f"**selector walk / {whole} = {100 * share['optimal_seconds']:.2f}%** of the time "
+                                 f"({100 * share['flops']:.2f}% FLOPs, {100 * share['bytes_accessed']:.2f}% bytes)")
+            lines.append(where + "| " + "; ".join(parts).replace("nan", "–") + " ||||||||")
             continue
+        program = r["program"] if r.get("tree") is None or r["program"] == "decode" else \
+            f"{r['program']} (tree {r['tree']})"
         hbm = "?" if r["hbm_bytes"] is None else gib(r["hbm_bytes"])
         ratio = "" if math.isnan(r["physics_flops"]) else f" ({r['flops'] / r['physics_flops']:.2f}x)"
         fb = r.get("floor_bytes", math.nan)
         floor = "" if math.isnan(fb) else f" ({r['bytes_accessed'] / fb:.2f}x)"
-        lines.append(where + f"| {r['program']} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} | "
+        lines.append(where + f"| {program} | {gib(r['argument_bytes'])} | {gib(r['output_bytes'])} | "
                      f"{gib(r['temp_bytes'])} | {gib(r['peak_bytes'])} / {hbm} | {r['flops'] / 1e9:.1f}{ratio} | "
                      f"{r['bytes_accessed'] / 1e9:.2f}{floor} | {r['optimal_seconds'] * 1e3:.3f} |".replace("nan", "–"))
     return "\n".join(lines)

@@ -52,6 +52,23 @@ REAL_SHAPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
+# z-lab's released Qwen3.8-27B-DFlash2 drafter (no Qwen3.5 one is released): block 8, every one of its five
+# layers a sliding window of 2048 keys, and DFlash2's four fields (``train.drafter.DFLASH2``).
+DFLASH2_RELEASED = dict(block_size=8, sliding_window=2048)
+
+
+def dflash2_drafter(drafter: dict[str, Any]) -> dict[str, Any]:
+    """A DFlash drafter's ``config.json`` dict (e.g. ``REAL_SHAPES[...][1]``) made the released DFlash2 drafter of
+    its shape: ``DFLASH2_RELEASED`` (every layer sliding) and DFlash2's convolution and selector settings."""
+    from dflash_jax.train.drafter import DFLASH2  # the released settings, where training takes them from
+
+    layers = drafter["num_hidden_layers"]
+    return dict(drafter, architectures=["DFlash2DraftModel"], block_size=DFLASH2_RELEASED["block_size"],
+                use_sliding_window=True, sliding_window=DFLASH2_RELEASED["sliding_window"],
+                layer_types=["sliding_attention"] * layers,
+                dflash_config=dict(drafter["dflash_config"], **DFLASH2))
+
+
 def _config(cls, config):
     """A ``cls`` config from itself, a raw ``config.json`` dict, or a checkpoint directory / config file."""
     if isinstance(config, cls):

@@ -28,7 +28,7 @@ def v5e():
 
 def _shipped(devices, **kw):
     return compile_report.abstract_setup(runtime.ASSETS / "target", runtime.ASSETS / "drafter", devices,
-                                         shape="shipped", batch=2, context=64, **kw)
+                                         shape="shipped", **dict(batch=2, context=64) | kw)
 
 
 def _param_bytes(tree) -> int:
@@ -94,6 +94,10 @@ def test_the_compile_command_writes_rows_and_refuses_an_unknown_topology(tmp_pat
     (["--context", "-5"], "--context -5: must be >= 1"),
     (["--block", "0"], "--block 0: must be >= 1"),
     (["--json", "no/such/dir/rows.json"], "the directory"),
+    (["--tree", "16,0"], "--tree 16,0: every budget must be >= 1"),
+    (["--tree", "16", "--block", "1"], "--block 1: a tree needs depth block - 1 >= 1"),
+    (["--drafter", "dflash2"], "--drafter dflash2: only for --shape 27b or 35b-a3b"),
+    (["--programs", "walk"], "--programs walk: the selector walk needs --drafter dflash2"),
 ])
 def test_the_compile_command_refuses_bad_flags_in_one_line_before_compiling(flags, message, capsys, monkeypatch,
                                                                             tmp_path):
@@ -136,3 +140,42 @@ def test_a_27b_shaped_decode_with_four_layers_compiles_for_a_v5p_chip_near_its_b
     assert row["shape"] == "27b/4L" and row["device"] == "TPU v5p" and row["fits"]
     assert row["optimal_seconds"] > 0
     assert row["floor_bytes"] <= row["bytes_accessed"] <= 1.3 * row["floor_bytes"]
+
+
+def test_a_tree_setup_verifies_its_n_plus_one_nodes_in_a_cache_sized_for_them(v5e):
+    """``Setup(tree=N)``: the verify program is the loop's tree verify (N + 1 tokens, the draft's tree as parents),
+    the cache holds context + 2 x max(block, N + 1) rounded up to 128 (the chain's rule), and it compiles."""
+    capacity = lambda **kw: compile_report.Setup(shape="", target=None, drafter=None, devices=(), **kw).capacity  # noqa: E731
+    assert (capacity(), capacity(tree=16), capacity(tree=64), capacity(tree=128)) == (4224, 4224, 4352, 4480)
+    assert capacity(block=8, tree=4, context=100) == 128
+    with pytest.raises(ValueError, match="--tree 0: a tree budget must be an integer >= 1"):
+        _shipped(v5e, tree=0)
+    setup = _shipped(v5e, batch=1, tree=20)
+    phase, (loop, _, _, draft), tokens = compile_report.programs(setup)["verify"]
+    assert tokens == 21 and loop.spec.tree_budget == 20 and draft.tree.parents.shape == (1, 21)
+    (row,) = compile_report.report(setup, ("verify",))
+    assert (row["program"], row["tree"], row["width"], row["capacity"]) == ("verify", 20, 21, 128)
+    assert row["optimal_seconds"] > 0 and row["flops"] >= row["physics_flops"]  # 21 tokens' worth at least
+    ratio = dict(row, program="ratio", verify_over_decode=1.5, plain_tok_s_per_chip=100.0)
+    assert "| verify (tree 20) |" in compile_report.format_rows([row])
+    assert "**tree verify(21) / decode(1) = 1.500**" in compile_report.format_rows([ratio])
+
+
+def test_the_dflash2_entry_compiles_the_selector_walk_of_the_released_settings():
+    """``--drafter dflash2`` on a 27B shape: the released DFlash2 drafter (block 8, five sliding layers of 2048,
+    conv kernel 2, groups of 16, rank 256, top-16); its candidate-selector walk compiles alone (here at a 4096-token
+    vocabulary: the 27B's top-k over 248320 logits takes libtpu ~25 s to compile, for the report's rows only)."""
+    v5p = compile_report.tpu_devices("v5p:2x2x1")
+    target, drafter = compile_report.real_configs("27b", layers=1, drafter="dflash2")
+    setup = compile_report.abstract_setup(dict(target, vocab_size=4096), dict(drafter, vocab_size=4096), v5p,
+                                          shape="27b/1L+dflash2", kernels="tpu", block=drafter["block_size"])
+    cfg = setup.drafter.cfg
+    assert setup.block == cfg.block_size == 8 and setup.capacity == 4224
+    assert cfg.layer_types == ("sliding_attention",) * 5 and cfg.sliding_window == 2048
+    assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (2, 16, 256, 16)
+    (walk,) = compile_report.report(setup, ("walk",))
+    assert walk["program"] == "walk" and walk["optimal_seconds"] > 0 and walk["flops"] > 0
+    phase, (_, _, hidden, logits, anchor), _ = compile_report.programs(setup, ("walk",))["walk"]
+    assert (hidden.shape, logits.shape, anchor.shape) == ((1, 7, 5120), (1, 7, 4096), (1,))  # k = block - 1 drafts
+    with pytest.raises(ValueError, match="--programs walk: the selector walk needs a DFlash2 drafter"):
+        compile_report.report(compile_report.real_setup("27b", v5p, layers=1), ("walk",))
