@@ -70,8 +70,10 @@ def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, windo
                        heads=("heads", q.shape[2]), shared=("kv_heads", k_cache.shape[1]))
 
 
-def _gdn(fn, mode: str, args: tuple, labels: tuple, out_labels, k, v):
-    if kernels.dispatch.is_tpu(mode):  # no TPU form yet: the XLA reference, partitioned like any op
+def _gdn(fn, mode: str, args: tuple, labels: tuple, out_labels, k, v, *, tpu_form: bool = False):
+    """A GDN kernel per device; in a TPU mode only where it has a TPU form (the verify), else the XLA reference,
+    partitioned like any op."""
+    if kernels.dispatch.is_tpu(mode) and not tpu_form:
         with kernels.dispatch.generic():
             return fn(*args)
     return _per_device(fn, mode, args, labels, out_labels, heads=("v_heads", v.shape[2]),
@@ -460,19 +462,20 @@ class GatedDeltaNet(nnx.Module):
 
         ``tree``: the tokens form a draft tree (``cache.Tree``), not a chain: each token's conv reads its
         ancestors and its delta rule runs along its own root -> token path (``kernels.gdn_verify``'s
-        tree form, the XLA path in every kernel mode); the pending inputs are per token as for a chain,
-        and the commit replays the accepted path's (``target.commit``).
+        tree form: the TPU kernel in a TPU mode, else the XLA form); the pending inputs are per token as for
+        a chain, and the commit replays the accepted path's (``target.commit``).
         Returns ([B, T, D], the same conv window and state with the update inputs pending).
         """
         up = None if tree is None else tree.up
         q, k, v, g, beta, z, mixed = self._prepare(x, cache.conv, speculative=True, up=up)
+        args, labels = (q, k, v, g, beta, cache.state), (_QK, _QK, _V, _GATE, _GATE, _STATE)
         if tree is None:
             run = lambda *a: kernels.gdn_verify(*a, impl=self.kernels)  # noqa: E731
-            o, u = _gdn(run, self.kernels, (q, k, v, g, beta, cache.state), (_QK, _QK, _V, _GATE, _GATE, _STATE),
-                        (_V, _V), k, v)
-        else:  # the XLA path (partitioned like any op on a mesh)
-            o, u = kernels.gdn_verify(q, k, v, g, beta, cache.state, impl=self.kernels, tree=tree.mask,
-                                      tree_depth=tree.max_depth)
+        else:  # the mask [B, T, T] rides along, split by row
+            run = lambda *a: kernels.gdn_verify(*a[:-1], impl=self.kernels, tree=a[-1],  # noqa: E731
+                                                tree_depth=tree.max_depth)
+            args, labels = args + (tree.mask,), labels + (("B", None, None),)
+        o, u = _gdn(run, self.kernels, args, labels, (_V, _V), k, v, tpu_form=True)
         pending = GDNPending(mixed=mixed, k=k, u=u, g=g, kernels=self.kernels)
         return self._output(o, z, x.dtype), GDNCache(conv=cache.conv, state=cache.state, pending=pending)
 

@@ -158,7 +158,16 @@ def test_the_moe_target_in_the_tpu_mode_matches_transformers(hf_moe):
     for T in (1, 16):
         out, _ = tg.verify(tokens[:, 20:20 + T], jax.tree.map(jnp.copy, cache))  # verify donates the cache
         np.testing.assert_allclose(np.asarray(out.logits[0]), want[20:20 + T], atol=1e-4)
-    # the Mosaic kernels ran (the layers' bodies are traced once per kind): the experts' gate_up and down, and the
-    # attention kernel
+    # the Mosaic kernels ran (the layers' bodies are traced once per kind): the experts' gate_up and down, the
+    # attention kernel and the GDN verify
     jaxpr = str(jax.make_jaxpr(functools.partial(target.verify, tg.graphdef))(tg.params, tokens[:, 20:36], cache))
-    assert jaxpr.count("pallas_call[") == 3 and "grouped_matmul_tpu" in jaxpr and "attention_tpu" in jaxpr
+    assert jaxpr.count("pallas_call[") == 4 and "grouped_matmul_tpu" in jaxpr and "attention_tpu" in jaxpr
+    assert "gdn_verify_tpu" in jaxpr
+    # a draft tree's verify too: every node's logits are those of its root -> node path run alone as a chain
+    parents = np.array([[-1, 0, 0, 1, 2, 3, 4, 1]], np.int32)
+    nodes = tokens[:, 20:28]
+    out, _ = tg.verify(nodes, jax.tree.map(jnp.copy, cache), parents=parents, tree_depth=3)
+    for path in ([0, 1, 3, 5], [0, 2, 4, 6], [0, 1, 7]):
+        alone, _ = tg.verify(nodes[:, path + [0] * (4 - len(path))], jax.tree.map(jnp.copy, cache))
+        np.testing.assert_allclose(np.asarray(out.logits[0, path]), np.asarray(alone.logits[0, :len(path)]),
+                                   atol=1e-4)
