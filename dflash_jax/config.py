@@ -567,6 +567,10 @@ class DrafterConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    # A load-time bound on the draft context (``--draft-window``; not a checkpoint field, ``to_hf`` leaves it
+    # out): every layer's block sees at most the last draft_window context positions before it, plus the block
+    # under the layer's own causal rule and window. None: the whole context.
+    draft_window: int | None = None
 
     @property
     def dflash2(self) -> bool:
@@ -634,6 +638,18 @@ class DrafterConfig:
             need(self.layer_causal(i) or self.sliding_window >= self.block_size,
                  f"layer {i}: a non-causal sliding_window={self.sliding_window} must be >= "
                  f"block_size={self.block_size}")
+
+        dw = self.draft_window
+        need(dw is None or (isinstance(dw, int) and not isinstance(dw, bool) and dw >= self.block_size),
+             f"draft window {dw!r} must be an integer >= the drafter's block_size {self.block_size}")
+
+    def layer_context(self, i: int) -> int | None:
+        """The most context positions before the block that any query of layer i can see: the draft window, and
+        a sliding window W (the block's first query sees W - 1 keys before it); None: the whole context."""
+        bounds = [b for b in (self.draft_window, self.layer_window(i)) if b is not None]
+        if self.layer_window(i) is not None:
+            bounds[-1] -= 1
+        return min(bounds) if bounds else None
 
     def layer_causal(self, i: int) -> bool:
         """Causal inside the block: z-lab's rule, sliding layers are causal unless is_causal says otherwise."""

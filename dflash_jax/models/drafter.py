@@ -71,7 +71,8 @@ class DrafterAttention(nnx.Module):
         return k, self.v_proj(h).reshape(B, T, cfg.num_key_value_heads, cfg.head_dim)
 
     def __call__(self, h: jax.Array, k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, rot: jax.Array, *,
-                 causal: bool, window: int | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 causal: bool, window: int | None, context: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The block's attention over ``[context ; block]``.
 
         Args:
@@ -80,6 +81,9 @@ class DrafterAttention(nnx.Module):
             positions [0, start[b]).
           start: [B] int32 committed context length (the block's first position).
           rot: [B, T, 2, H/2] the block positions' cos/sin (``rope.rows``).
+          causal, window: the layer's mask rule inside the block and its sliding window (per query).
+          context: None, or the most context positions before the block any query sees (``layer_context``):
+            the attention then reads only that span of the cache, whatever the context's length.
         Returns:
           (output [B, T, D], the caches with the block's K/V written into rows [start, start + T)).
         """
@@ -90,8 +94,35 @@ class DrafterAttention(nnx.Module):
         k, v = self.kv(h, rot)
         # The block sits right behind the committed context, so one kernel call covers [context ; block].
         k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
-        o = attention(q, k_cache, v_cache, start, start + T, causal=causal, window=window, mode=self.kernels)
+        k_in, v_in, q_start = context_span(k_cache, v_cache, start, T, context)
+        o = attention(q, k_in, v_in, q_start, q_start + T, causal=causal, window=window, mode=self.kernels)
         return self.o_proj(o.reshape(B, T, N * H)), k_cache, v_cache
+
+
+def context_span(k_cache: jax.Array, v_cache: jax.Array, start: jax.Array, T: int, context: int | None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The cache rows a block of T queries at start[b] + t reads when it sees at most ``context`` positions
+    before it: rows [start - context, start + T) (from row 0 while start < context).
+
+    Every attention form then reads context + T keys whatever the context's length: the XLA reference (which
+    scores every key it is given), the Triton kernel and the Mosaic one. Keys were rotated at their absolute
+    positions when written and attention masks by position differences, so the slice changes no score.
+
+    Args:
+      k_cache, v_cache: [B, K, S, H] / [B, K, H, S] with the block's K/V written at rows [start, start + T).
+      start: [B] int32 the block's first position (start + T <= S).
+    Returns:
+      (k [B, K, L, H], v [B, K, H, L], the block's first row in them [B]); L = min(S, context + T). The caches
+      unchanged with start when ``context`` is None or the span covers the whole cache.
+    """
+    S = k_cache.shape[2]
+    if context is None or context + T >= S:
+        return k_cache, v_cache, start
+    span = context + T
+    begin = jnp.maximum(start - context, 0)  # [B]; begin + span <= start + T <= S, so no clamping
+    k = jax.vmap(lambda c, b: jax.lax.dynamic_slice_in_dim(c, b, span, axis=1))(k_cache, begin)
+    v = jax.vmap(lambda c, b: jax.lax.dynamic_slice_in_dim(c, b, span, axis=2))(v_cache, begin)
+    return k, v, start - begin
 
 
 class DrafterLayer(nnx.Module):
@@ -103,6 +134,7 @@ class DrafterLayer(nnx.Module):
         D = cfg.hidden_size
         self.causal = cfg.layer_causal(index)  # static: causal inside the block
         self.window = cfg.layer_window(index)  # static: sliding window or None
+        self.context = cfg.layer_context(index)  # static: context positions a query may see, or None (all)
         self.input_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
         self.self_attn = DrafterAttention(cfg, dtype=dtype, kernels=kernels, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, cfg.rms_norm_eps, zero_centred=False, dtype=dtype)
@@ -117,7 +149,8 @@ class DrafterLayer(nnx.Module):
         h = self.input_layernorm(x)
         if self.attention_conv is not None:
             h, later = self.attention_conv.prepare(h)
-        o, k_cache, v_cache = self.self_attn(h, k_cache, v_cache, start, rot, causal=self.causal, window=self.window)
+        o, k_cache, v_cache = self.self_attn(h, k_cache, v_cache, start, rot, causal=self.causal,
+                                               window=self.window, context=self.context)
         if self.attention_conv is not None:
             o = self.attention_conv.finish(o, later)
         x = x + o
@@ -254,7 +287,7 @@ def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
         raise ConfigError("drafter does not fit the target:\n  " + "\n  ".join(problems))
 
 
-def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = None,
+def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = None, window: int | None = None,
                  progress: bool = True) -> Drafter:
     """Loads a z-lab drafter directory (config.json + model.safetensors) for ``target``.
 
@@ -263,9 +296,13 @@ def load_drafter(path: str | Path, target, *, dtype=None, kernels: str | None = 
       target: a ``dflash_jax.models.target.Target``; its config is checked against the drafter's.
       dtype: parameter dtype; None uses the target's.
       kernels: kernel mode; None uses the target's.
+      window: bound the draft context (``--draft-window``): every layer sees at most the last ``window``
+        context positions before the block (its causal rule and any trained window kept); None: the whole.
     """
     path = Path(path)
     cfg = DrafterConfig.from_pretrained(path)
+    if window is not None:
+        cfg = dataclasses.replace(cfg, draft_window=window)  # validated: an integer >= block_size
     check_fits(cfg, target.cfg)
     dtype = target.dtype if dtype is None else param_dtype(dtype)
     kernels = target.kernels if kernels is None else kernels

@@ -95,11 +95,12 @@ def _rope(x, pos, theta):  # x [T, heads, H], pos [T]
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def _reference_row(cfg: DrafterConfig, P, taps, x, n_ctx):
-    """Block hidden states of one row with n_ctx committed context tokens."""
+def _reference_row(cfg: DrafterConfig, P, taps, x, n_ctx, first=0):
+    """Block hidden states of one row with n_ctx committed context tokens, of which only those at positions
+    [first, n_ctx) are given (a truncated context keeps its positions)."""
     eps, N, K, H, Bk = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, len(x)
-    c = _rms(taps[:n_ctx] @ P["fc.weight"].T, P["hidden_norm.weight"], eps)
-    pos_ctx, pos_blk = np.arange(n_ctx), n_ctx + np.arange(Bk)
+    c = _rms(taps[first:n_ctx] @ P["fc.weight"].T, P["hidden_norm.weight"], eps)
+    pos_ctx, pos_blk = np.arange(first, n_ctx), n_ctx + np.arange(Bk)
     for i in range(cfg.num_hidden_layers):
         w = lambda name, i=i: P[f"layers.{i}.{name}.weight"]
         h = _rms(x, w("input_layernorm"), eps)
@@ -110,7 +111,7 @@ def _reference_row(cfg: DrafterConfig, P, taps, x, n_ctx):
                   np.concatenate([pos_ctx, pos_blk]), cfg.rope_theta)
         v = (src @ w("self_attn.v_proj").T).reshape(-1, K, H)
         kpos, qpos = np.concatenate([pos_ctx, pos_blk])[None, :], pos_blk[:, None]
-        visible = np.ones((Bk, n_ctx + Bk), bool)
+        visible = np.ones((Bk, len(pos_ctx) + Bk), bool)
         if cfg.layer_causal(i):
             visible &= kpos <= qpos
         if cfg.layer_types[i] == "sliding_attention":
@@ -144,6 +145,37 @@ def test_draft_block_matches_numpy_reference(over):
     for b, n in enumerate(LENGTHS):
         ref = _reference_row(cfg, P, taps[b].astype(np.float64), x[b].astype(np.float64), n)
         np.testing.assert_allclose(np.asarray(out[b]), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("over", [{}, pytest.param(dict(layer_types=["sliding_attention", "full_attention"],
+                                                       sliding_window=3), marks=pytest.mark.slow)],
+                         ids=["full", "sliding"])
+def test_draft_window_sees_the_last_n_context_positions(over):
+    """--draft-window 4 (the block size): row 0 (5 context tokens) and row 1 (9) draft as if their context were
+    its last 4 tokens at their own positions (the numpy reference given only those); a window covering the
+    context changes nothing. The cache holds NaN before the window, which must never be read."""
+    cfg = _cfg(**over)
+    d = _drafter(cfg)
+    taps, x = _inputs(cfg)
+    full, _ = _run(d, taps, x)
+    wide = _drafter(dataclasses.replace(cfg, draft_window=CTX_T))  # the same weights (seeded), a bounded graph
+    np.testing.assert_allclose(np.asarray(_run(wide, taps, x)[0]), np.asarray(full), atol=1e-6, rtol=1e-6)
+    n = cfg.block_size
+    bounded = _drafter(dataclasses.replace(cfg, draft_window=n))
+    assert [bounded.cfg.layer_context(i) for i in range(2)] == ([n, n] if not over else [2, n])
+    gone = np.arange(CTX_T)[None, :, None] < (LENGTHS - n)[:, None, None]  # [B, CTX_T, 1]: before the window
+    out, _ = _run(bounded, np.where(gone, np.nan, taps), x)
+    P = _np_params(d)
+    for b, ctx in enumerate(LENGTHS):
+        ref = _reference_row(cfg, P, taps[b].astype(np.float64), x[b].astype(np.float64), ctx, first=ctx - n)
+        np.testing.assert_allclose(np.asarray(out[b]), ref, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.asarray(out[1]), np.asarray(full[1]), atol=1e-3)  # row 1 lost 5 of its 9 tokens
+
+
+@pytest.mark.parametrize("window", [0, -3, 3, True])
+def test_draft_window_below_the_block_is_an_error(window):
+    with pytest.raises(ConfigError, match=f"draft window {window!r} must be an integer >= the drafter's block_size 4"):
+        dataclasses.replace(_cfg(), draft_window=window)
 
 
 def test_layer_causality_and_windows():
