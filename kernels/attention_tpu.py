@@ -6,10 +6,13 @@ cached key) writes its f32 scores to HBM and reads them back in each softmax pas
 must read (docs/compile.md). Here one program per (row, KV head) walks the cache in key blocks with an online
 softmax (running max, sum and f32 accumulator in VMEM; the M = T x query heads per KV head query rows stacked
 t-major): HBM sees q once, each key block of K [S, H] and V [H, S] that holds a visible key once, and the output
-once. Blocks past the row's keys (and, with a sliding window, before them) map onto the nearest visible block,
-which the pipeline already holds, so they cost no transfer and no compute; the cache's length S is bounded only
-by HBM. ``traffic`` is that accounting (the compiler cannot see inside a Mosaic call; the call hands it the
-static bound, every block). A query that sees no key at all returns zeros (the reference averages V then).
+once. Step j of a row's walk visits key block first + j, first being the block of the row's first visible key
+(so blocks wholly before a sliding window are never visited); steps past its last visible block map onto that
+block, which the pipeline already holds, so they cost no transfer and no compute. With a causal window the walk
+has at most ``steps`` = (window + T - 2) // bk + 2 steps whatever the cache's length (the keys any query sees
+span window + T - 1 positions); otherwise one per key block. The cache's length S is bounded only by HBM.
+``traffic`` is that accounting (the compiler cannot see inside a Mosaic call; the call hands it the static bound,
+every step's block). A query that sees no key at all returns zeros (the reference averages V then).
 """
 
 from __future__ import annotations
@@ -43,8 +46,18 @@ def _visible(q_start, kv_len, T: int, window: int | None, causal: bool):
 
 
 def _block(j, q_start, kv_len, *, T, window, causal, bk):
+    """(The key block step j visits, whether it computes): block first + j, clamped to the last visible one."""
     lo, hi = _visible(q_start, kv_len, T, window, causal)  # both >= 0: lax.div (no sign logic for Mosaic)
-    return jnp.clip(j, jax.lax.div(lo, bk), jax.lax.div(hi - 1, bk))
+    blk, last = jax.lax.div(lo, bk) + j, jax.lax.div(hi - 1, bk)
+    return jnp.minimum(blk, last), blk <= last
+
+
+def steps(S: int, T: int, window: int | None, causal: bool) -> int:
+    """Grid steps along the keys: every key block, or, with a causal window, the most blocks that the
+    window + T - 1 keys any query of the row sees can touch."""
+    bk = key_block(S)
+    n = pl.cdiv(S, bk)
+    return min(n, (window + T - 2) // bk + 2) if causal and window is not None else n
 
 
 def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, causal, window,
@@ -58,12 +71,14 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, a
         l_ref[...] = jnp.zeros_like(l_ref)
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(_block(j, q_start, kv_len, T=T, window=window, causal=causal, bk=bk) == j)
+    blk, live = _block(j, q_start, kv_len, T=T, window=window, causal=causal, bk=bk)
+
+    @pl.when(live)
     def _():
         q = q_ref[0, 0]  # [M, H], rows t-major: row = t * group + g
         s = jax.lax.dot_general(q, k_ref[0, 0], (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale  # [M, bk]
-        kpos = j * bk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        kpos = blk * bk + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
         qpos = q_start + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, s.shape, 0), group)
         mask = kpos < kv_len
         if causal:
@@ -77,7 +92,7 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, a
         alpha = jnp.exp(m_old - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         # keys past kv_len (the last block's tail, past S: unwritten memory) must not reach the sum even as NaN
-        vpos = j * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        vpos = blk * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         v = jnp.where(vpos < kv_len, v_ref[0, 0], 0)  # [H, bk]
         acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
             p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, H]
@@ -94,10 +109,10 @@ def traffic(q_start, kv_len, *, T: int, N: int, K: int, H: int, S: int, itemsize
     fetches a K and a V block at each grid step whose block index (the index maps' ``_block``) differs from the
     previous step's, per (row, KV head); q and the output move once."""
     bk = key_block(S)
-    steps = jnp.arange(pl.cdiv(S, bk))
+    walk = jnp.arange(steps(S, T, window, causal))
     fetches = 0
     for qs, kl in zip(q_start, kv_len, strict=True):
-        index = _block(steps, jnp.int32(qs), jnp.int32(kl), T=T, window=window, causal=causal, bk=bk)
+        index, _ = _block(walk, jnp.int32(qs), jnp.int32(kl), T=T, window=window, causal=causal, bk=bk)
         fetches += 1 + int(jnp.count_nonzero(jnp.diff(index)))
     return K * fetches * 2 * bk * H * itemsize + 2 * len(q_start) * T * N * H * itemsize
 
@@ -114,14 +129,15 @@ def attention_tpu(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=N
     bk = key_block(S)
     scale = H**-0.5 if scale is None else scale
     qk = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # [B, K, M, H]
-    at = functools.partial(_block, T=T, window=window, causal=causal, bk=bk)
+    at = lambda j, qs, kl: _block(j, qs, kl, T=T, window=window, causal=causal, bk=bk)[0]  # noqa: E731
     item = q.dtype.itemsize
-    cost = pl.CostEstimate(flops=4 * B * K * M * S * H, transcendentals=B * K * M * S,
-                           bytes_accessed=B * K * (2 * S * H + 2 * M * H) * item)  # static bound: every block
+    walked = min(S, steps(S, T, window, causal) * bk)  # keys the walk can visit
+    cost = pl.CostEstimate(flops=4 * B * K * M * walked * H, transcendentals=B * K * M * walked,
+                           bytes_accessed=B * K * (2 * walked * H + 2 * M * H) * item)  # static bound
     out = pl.pallas_call(
         functools.partial(_kernel, scale=scale, causal=causal, window=window, group=G, T=T, bk=bk),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, K, pl.cdiv(S, bk)),
+            num_scalar_prefetch=2, grid=(B, K, steps(S, T, window, causal)),
             in_specs=[pl.BlockSpec((1, 1, M, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
                       pl.BlockSpec((1, 1, bk, H), lambda b, h, j, qs, kl: (b, h, at(j, qs[b], kl[b]), 0)),
                       pl.BlockSpec((1, 1, H, bk), lambda b, h, j, qs, kl: (b, h, 0, at(j, qs[b], kl[b])))],

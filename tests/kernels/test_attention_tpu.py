@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 
 from dflash_jax.kernels.attention import attention_reference
-from dflash_jax.kernels.attention_tpu import attention_tpu, key_block, traffic
+from dflash_jax.kernels.attention_tpu import attention_tpu, key_block, steps, traffic
 
 
 @pytest.mark.parametrize("S,causal,window", [(256, True, None), (256, False, None), (256, True, 24),
                                              (2100, True, None), (2100, True, 700), (2100, False, None)])
 def test_matches_the_reference_in_interpret_mode(S, causal, window):
     """Rows at different depths of the cache; S = 2100 walks 5 key blocks of 512 (the last one partly past S) and
-    skips the blocks no query sees; the cache past each row's keys holds NaN, which must not reach the output."""
+    skips the blocks no query sees (a window of 700: 3 steps, row 1's blocks 2..4); the cache past each row's keys
+    holds NaN, which must not reach the output."""
     B, T, N, K, H = 2, 16, 8, 2, 128
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
@@ -47,6 +48,20 @@ def test_the_kernel_moves_at_most_1_3x_the_byte_floor_at_long_contexts(context):
     # a sliding window of 2048 reads about the window, whatever the context
     windowed = traffic([context], [kv_len], T=T, N=N, K=K, H=H, S=S, itemsize=2, window=2048)
     assert windowed <= K * 2 * (2048 + T + 2 * key_block(S)) * H * 2 + 2 * T * N * H * 2
+
+
+def test_a_causal_window_bounds_the_walk_whatever_the_cache_length():
+    """The drafter's sliding layers (window 2048, a 16-token block): the grid's key steps cover at most the window's
+    keys plus two blocks at any cache length, and the steps and bytes moved are the same at 32K and 128K (both in
+    blocks of 2048 keys); without a window the walk has a step per block."""
+    T, N, K, H = 16, 32, 8, 128
+    walks = {S: steps(S, T, 2048, True) for S in (4096 + 32, 32768 + 32, 131072 + 32)}
+    for S, n in walks.items():
+        assert n * key_block(S) <= 2048 + T + 2 * key_block(S)
+    assert walks[32768 + 32] == walks[131072 + 32] == 3 and steps(131072 + 32, T, None, True) == 65
+    moved = [traffic([S - 32 - T], [S - 32], T=T, N=N, K=K, H=H, S=S, itemsize=2, window=2048)
+             for S in (32768 + 32, 131072 + 32)]
+    assert moved[0] == moved[1]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed (jax[tpu])")
