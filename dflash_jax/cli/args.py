@@ -105,6 +105,14 @@ def positive(text: str) -> int:
     return value
 
 
+def add_draft_window_argument(parser) -> None:
+    """``--draft-window N`` (generate, bench, serve): ``runtime.load_models(draft_window=)``."""
+    parser.add_argument("--draft-window", type=positive, metavar="N",
+                        help="bound the drafter's context: each draft block sees at most the last N context "
+                             "positions (N >= the drafter's block size), so its cost stops growing with the "
+                             "context; decoding stays exact, acceptance may drop (default: the whole context)")
+
+
 def add_mesh_arguments(parser) -> None:
     """The scale-out flags (vLLM's names for the sizes, JAX's for joining processes) on a CLI parser."""
     g = parser.add_argument_group("scale-out (a device mesh; several processes)")

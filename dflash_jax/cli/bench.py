@@ -82,7 +82,8 @@ def cmd_bench(args) -> int:
         turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
         model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
         target, drafter = runtime.load_models(model_dir, draft_dir, needed, dtype=runtime.DTYPES[args.dtype],
-                                              progress=not args.quiet, mesh=mesh)
+                                              progress=not args.quiet, mesh=mesh,
+                                              draft_window=getattr(args, "draft_window", None))
     notes = []
     mtp = [m for m in needed if m.kind == "mtp"]
     if mtp and not runtime.has_mtp(target):
@@ -187,6 +188,7 @@ def add_parser(sub) -> None:
     b.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
     b.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target)")
+    cli_args.add_draft_window_argument(b)
     b.add_argument("--random-config", metavar="TARGET_CONFIG[,DRAFTER_CONFIG]",
                    help="random-weight target (and drafter) from config.json files alone, made on the device; "
                         "prompts are random token ids (pair with --simulate-acceptance to fix tau)")

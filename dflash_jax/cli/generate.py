@@ -256,7 +256,8 @@ def cmd_generate(args) -> int:
         if not p:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
     target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
-                                          progress=not args.quiet, mesh=mesh)
+                                          progress=not args.quiet, mesh=mesh,
+                                          draft_window=getattr(args, "draft_window", None))
     if req.method.kind == "mtp" and not runtime.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
     if req.note and not args.quiet:
@@ -344,6 +345,7 @@ def add_parser(sub) -> None:
     g.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target; none with --model)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    cli_args.add_draft_window_argument(g)
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                    f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter; method "

@@ -94,7 +94,7 @@ def build(args, mesh=None, settings=None):
     model_dir, draft_dir, method, max_len, cfg = settings or _settings(args)
     dtype = args.dtype or runtime.default_dtype()
     target, drafter = runtime.load_models(model_dir, draft_dir, [method], dtype=runtime.DTYPES[dtype],
-                                          progress=False, mesh=mesh)
+                                          progress=False, mesh=mesh, draft_window=getattr(args, "draft_window", None))
     if method.kind == "mtp" and not runtime.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {model_dir} has none")
     tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
@@ -219,6 +219,7 @@ def add_parser(sub) -> None:
                    help="tokens per verify step (1 = plain decoding); auto (the default): chosen by cost for "
                    "--max-num-seqs rows as generate chooses it, and logged")
     s.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
+    cli_args.add_draft_window_argument(s)
     s.add_argument("--served-model-name", help=f"the model id requests give (default: --model as given, else "
                    f"{SHIPPED_NAME!r})")
     s.add_argument("--max-num-seqs", type=int, default=32, help="slots: requests decoded together in one step")

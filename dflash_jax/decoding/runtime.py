@@ -209,8 +209,10 @@ def _parse_tree(item: str, flag: str) -> Method:
     return Method("dflash", block, tree=n)
 
 
-def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None):
+def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None,
+                draft_window: int | None = None):
     """(target, drafter or None) for ``methods``: the MTP head only when an MTP method is among them.
+    ``draft_window`` (``--draft-window``): the drafter sees at most that many context positions per block.
 
     The drafter is loaded only when a DFlash method is among them; one without ``draft_dir`` is an error.
     With a ``mesh`` (``sharding.make_mesh``) the target's tensors load straight onto their shards; the
@@ -226,7 +228,14 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
         if draft_dir is None:
             raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
                              f"shipped one, so there is no default drafter)")
-        drafter = load_drafter(draft_dir, target, progress=progress)
+        if draft_window is not None:
+            from dflash_jax.config import DrafterConfig
+
+            block = DrafterConfig.from_pretrained(draft_dir).block_size
+            if draft_window < block:
+                raise ValueError(f"--draft-window {draft_window}: must be >= the drafter's block size {block} "
+                                 f"({draft_dir})")
+        drafter = load_drafter(draft_dir, target, window=draft_window, progress=progress)
         check_blocks(methods, drafter, draft_dir)
     return target, drafter
 
