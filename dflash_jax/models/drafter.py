@@ -5,7 +5,9 @@ and is used by ``proposers.py``. The drafter is a small Qwen3 decoder with no em
 of its own (it borrows the target's). ``write_context`` turns taps into K/V at the tokens' absolute
 positions in every layer's cache (written for all T tokens, committed by ``advance``, like the
 target's verify/commit); ``draft_block`` runs the block ``[anchor, mask x (Bk-1)]`` over
-``[context ; block]`` in one pass, each layer a ``DrafterLayer`` call. Training
+``[context ; block]`` in one pass, each layer a ``DrafterLayer`` call. A layer whose queries see a bounded
+context (a trained sliding window, or ``--draft-window``'s ``DrafterConfig.draft_window``) reads only that span of
+its cache (``context_span``), so its cost does not grow with the context. Training
 (``train/drafter.py``) runs this same ``draft_block``, batched over anchors, so there is one layer
 forward. The module tree mirrors the z-lab checkpoint keys, so ``load_drafter`` is a plain
 key-for-key load.
