@@ -60,10 +60,13 @@ def steps(S: int, T: int, window: int | None, causal: bool) -> int:
     return min(n, (window + T - 2) // bk + 2) if causal and window is not None else n
 
 
-def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, acc_ref, *, scale, causal, window,
-            group, T, bk):
+def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, *rest, scale, causal, window, group, T, bk, tree):
+    if tree:  # the tree's new keys [T, H] / [H, T] and its mask [M, T] (int32), then the output and scratch
+        kn_ref, vn_ref, tree_ref, o_ref, m_ref, l_ref, acc_ref = rest
+    else:
+        o_ref, m_ref, l_ref, acc_ref = rest
     b, j = pl.program_id(0), pl.program_id(2)
-    q_start, kv_len = q_start_ref[b], kv_len_ref[b]
+    q_start, kv_len = q_start_ref[b], kv_len_ref[b]  # with a tree: the prefix's length (the walk's keys)
 
     @pl.when(j == 0)
     def _():
@@ -85,22 +88,31 @@ def _kernel(q_start_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, a
             mask = mask & (kpos <= qpos)
         if window is not None:
             mask = mask & (kpos > qpos - window)
-        s = jnp.where(mask, s, _NEG)
-        m_old = m_ref[...]  # [M, 1]
-        m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-        alpha = jnp.exp(m_old - m_new)
-        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         # keys past kv_len (the last block's tail, past S: unwritten memory) must not reach the sum even as NaN
         vpos = blk * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        v = jnp.where(vpos < kv_len, v_ref[0, 0], 0)  # [H, bk]
-        acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, H]
-        m_ref[...] = m_new
+        _online(s, mask, jnp.where(vpos < kv_len, v_ref[0, 0], 0), m_ref, l_ref, acc_ref)
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _():
+        if tree:  # the T new keys (cache rows q_start .. q_start + T - 1) each query's path marks
+            s = jax.lax.dot_general(q_ref[0, 0], kn_ref[0, 0], (((1,), (1,)), ((), ())),
+                                    preferred_element_type=jnp.float32) * scale  # [M, T]
+            _online(s, tree_ref[0] != 0, vn_ref[0, 0], m_ref, l_ref, acc_ref)
         o_ref[0, 0] = (acc_ref[...] / jnp.maximum(l_ref[...], 1e-30)).astype(o_ref.dtype)
+
+
+def _online(s, mask, v, m_ref, l_ref, acc_ref):
+    """One online-softmax step: scores s [M, n] (f32) under ``mask`` [M, n] over values v [H, n] into the running
+    max m [M, 1], sum l [M, 1] and accumulator acc [M, H]."""
+    s = jnp.where(mask, s, _NEG)
+    m_old = m_ref[...]  # [M, 1]
+    m_new = jnp.maximum(m_old, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m_old - m_new)
+    l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+    acc_ref[...] = alpha * acc_ref[...] + jax.lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, H]
+    m_ref[...] = m_new
 
 
 def traffic(q_start, kv_len, *, T: int, N: int, K: int, H: int, S: int, itemsize: int, causal: bool = True,
@@ -118,34 +130,57 @@ def traffic(q_start, kv_len, *, T: int, N: int, K: int, H: int, S: int, itemsize
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "window", "scale", "interpret"))
-def attention_tpu(q, k, v, q_start, kv_len, *, causal=True, window=None, scale=None, interpret=False):
+def attention_tpu(q, k, v, q_start, kv_len, tree=None, *, causal=True, window=None, scale=None, interpret=False):
     """q [B, T, N, H], k [B, K, S, H], v [B, K, H, S], q_start [B], kv_len [B] -> [B, T, N, H] (q's dtype).
 
-    ``attention_reference``'s contract, except that a query with no visible key returns zeros."""
+    ``attention_reference``'s contract, except that a query with no visible key returns zeros. ``tree``
+    [B, T, T] bool (a draft tree's mask, ``attention_reference``'s): the walk covers the keys before q_start,
+    and one more step at its end scores the T new keys (cache rows q_start + j, read once as [T, H] / [H, T])
+    under the tree mask, repeated per query head of the group."""
     B, T, N, H = q.shape
     K, S = k.shape[1], k.shape[2]
     G = N // K
     M = T * G
     bk = key_block(S)
     scale = H**-0.5 if scale is None else scale
+    extra, extra_specs, walk_len = (), [], kv_len
+    if tree is not None:
+        if window is not None or not causal:
+            raise ValueError("attention_tpu: a tree mask replaces the causal mask (causal=True, no window)")
+        if tree.shape != (B, T, T):
+            raise ValueError(f"attention_tpu: tree mask shape {tree.shape}, want {(B, T, T)} (rows, queries, keys)")
+        walk_len = jnp.minimum(kv_len, q_start)  # the prefix
+        row = lambda c, s, n: jax.lax.dynamic_slice_in_dim(c, s, n, axis=1)  # noqa: E731
+        written = q_start[:, None] + jnp.arange(T)[None, :] < kv_len[:, None]  # [B, T]: new keys in the cache
+        # keys past kv_len (unwritten memory) must not reach the sum even as NaN
+        kn = jnp.where(written[:, None, :, None], jax.vmap(lambda c, s: row(c, s, T))(k, q_start), 0)  # [B, K, T, H]
+        vn = jnp.where(written[:, None, None, :], jax.vmap(
+            lambda c, s: jax.lax.dynamic_slice_in_dim(c, s, T, axis=2))(v, q_start), 0)  # [B, K, H, T]
+        seen = tree & written[:, None, :]  # [B, T, T]
+        extra = (kn, vn, jnp.repeat(seen.astype(jnp.int32), G, axis=1))  # mask [B, M, T], rows t-major
+        extra_specs = [pl.BlockSpec((1, 1, T, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
+                       pl.BlockSpec((1, 1, H, T), lambda b, h, j, qs, kl: (b, h, 0, 0)),
+                       pl.BlockSpec((1, M, T), lambda b, h, j, qs, kl: (b, 0, 0))]
     qk = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, M, H)  # [B, K, M, H]
     at = lambda j, qs, kl: _block(j, qs, kl, T=T, window=window, causal=causal, bk=bk)[0]  # noqa: E731
     item = q.dtype.itemsize
-    walked = min(S, steps(S, T, window, causal) * bk)  # keys the walk can visit
+    walked = min(S, steps(S, T, window, causal) * bk) + (T if tree is not None else 0)  # keys the walk can visit
     cost = pl.CostEstimate(flops=4 * B * K * M * walked * H, transcendentals=B * K * M * walked,
                            bytes_accessed=B * K * (2 * walked * H + 2 * M * H) * item)  # static bound
     out = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, causal=causal, window=window, group=G, T=T, bk=bk),
+        functools.partial(_kernel, scale=scale, causal=causal, window=window, group=G, T=T, bk=bk,
+                          tree=tree is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, K, steps(S, T, window, causal)),
             in_specs=[pl.BlockSpec((1, 1, M, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
                       pl.BlockSpec((1, 1, bk, H), lambda b, h, j, qs, kl: (b, h, at(j, qs[b], kl[b]), 0)),
-                      pl.BlockSpec((1, 1, H, bk), lambda b, h, j, qs, kl: (b, h, 0, at(j, qs[b], kl[b])))],
+                      pl.BlockSpec((1, 1, H, bk), lambda b, h, j, qs, kl: (b, h, 0, at(j, qs[b], kl[b]))),
+                      *extra_specs],
             out_specs=pl.BlockSpec((1, 1, M, H), lambda b, h, j, qs, kl: (b, h, 0, 0)),
             scratch_shapes=[pltpu.VMEM((M, 1), jnp.float32), pltpu.VMEM((M, 1), jnp.float32),
                             pltpu.VMEM((M, H), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((B, K, M, H), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         cost_estimate=cost, interpret=interpret, name="attention_tpu",
-    )(q_start.astype(jnp.int32), kv_len.astype(jnp.int32), qk, k, v)
+    )(q_start.astype(jnp.int32), walk_len.astype(jnp.int32), qk, k, v, *extra)
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)

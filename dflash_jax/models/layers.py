@@ -50,24 +50,33 @@ def _per_device(fn, mode: str, args: tuple, labels: tuple, out_labels, heads: tu
 
 
 # Queries per row up to which the TPU attention kernel runs (decode, verify, the drafter's block); a prompt's
-# attention runs the XLA form (the kernel holds its queries' scores per key block in VMEM).
+# attention runs the XLA form (the kernel holds its queries' scores per key block in VMEM). A draft tree's verify
+# runs it up to _TPU_TREE_QUERIES tokens (budget 255; 129 tokens hold ~2.6 MB of VMEM at 27B shapes).
 _TPU_QUERIES = 64
+_TPU_TREE_QUERIES = 256
 
 
-def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, window: int | None = None):
+def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, window: int | None = None, tree=None):
     """``kernels.attention`` of q [B, T, N, H] over the caches' keys [start, end) per row -> [B, T, N, H]; in a
-    TPU mode the Mosaic kernel (``kernels/attention_tpu.py``) for T <= ``_TPU_QUERIES``."""
+    TPU mode the Mosaic kernel (``kernels/attention_tpu.py``) for T <= ``_TPU_QUERIES``. ``tree`` [B, T, T] bool
+    (a draft tree's mask, ``cache.Tree.mask``) replaces the causal mask: the Mosaic kernel with the mask in a TPU
+    mode (T <= ``_TPU_TREE_QUERIES``), else the XLA form (the Pallas GPU modes say so once in the log)."""
+    limit = _TPU_QUERIES if tree is None else _TPU_TREE_QUERIES
+    args, labels = (q, k_cache, v_cache, start, end), (_HEADS, _KV, _KV, ("B",), ("B",))
+    if tree is not None:
+        args, labels = args + (tree,), labels + (("B", None, None),)
     if kernels.dispatch.is_tpu(mode):
-        if q.shape[1] > _TPU_QUERIES:
+        if q.shape[1] > limit:
             with kernels.dispatch.generic():
                 return kernels.attention(q, k_cache, v_cache, start, end, causal=causal, window=window,
-                                         impl="reference")
+                                         impl="reference", tree=tree)
         fn = lambda *a: attention_tpu(*a, causal=causal, window=window,  # noqa: E731
                                       interpret=mode == "tpu-interpret")
     else:
-        fn = lambda *a: kernels.attention(*a, causal=causal, window=window, impl=mode)  # noqa: E731
-    return _per_device(fn, mode, (q, k_cache, v_cache, start, end), (_HEADS, _KV, _KV, ("B",), ("B",)), _HEADS,
-                       heads=("heads", q.shape[2]), shared=("kv_heads", k_cache.shape[1]))
+        fn = lambda *a: kernels.attention(*a[:5], causal=causal, window=window, impl=mode,  # noqa: E731
+                                          tree=a[5] if len(a) > 5 else None)
+    return _per_device(fn, mode, args, labels, _HEADS, heads=("heads", q.shape[2]),
+                       shared=("kv_heads", k_cache.shape[1]))
 
 
 def _gdn(fn, mode: str, args: tuple, labels: tuple, out_labels, k, v, *, tpu_form: bool = False):
@@ -296,10 +305,7 @@ class GatedAttention(nnx.Module):
         k = rotate(self.k_norm(self.k_proj(x).reshape(B, T, K, H)), rot)
         v = self.v_proj(x).reshape(B, T, K, H)
         k_cache, v_cache = kernels.write_cache(k_cache, v_cache, k, v, start)
-        if tree is None:
-            o = attention(q, k_cache, v_cache, start, start + T, causal=True, mode=self.kernels)
-        else:  # the XLA path in every mode (the kernel masks causally), partitioned like any op on a mesh
-            o = kernels.attention(q, k_cache, v_cache, start, start + T, impl=self.kernels, tree=tree)
+        o = attention(q, k_cache, v_cache, start, start + T, causal=True, mode=self.kernels, tree=tree)
         o = o.reshape(B, T, N * H) * jax.nn.sigmoid(gate)
         return self.o_proj(o), k_cache, v_cache
 

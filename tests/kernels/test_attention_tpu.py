@@ -36,6 +36,42 @@ def test_matches_the_reference_in_interpret_mode(S, causal, window):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+def _random_tree(key, B: int, T: int):
+    """[B, T, T] bool: each row's ancestor mask (row t: t and its ancestors) of random trees, parents before
+    children."""
+    parents = np.asarray(jax.random.randint(key, (B, T), 0, np.arange(T) + 1)) - 1  # parent of t in [-1, t)
+    mask = np.zeros((B, T, T), bool)
+    for b in range(B):
+        for t in range(T):
+            mask[b, t, t] = True
+            if parents[b, t] >= 0:
+                mask[b, t] |= mask[b, parents[b, t]]
+    return jnp.asarray(mask)
+
+
+@pytest.mark.parametrize("S,T,mid", [(256, 9, 100), (1100, 17, 504)])
+def test_a_tree_mask_matches_the_reference_in_interpret_mode(S, T, mid):
+    """A draft tree's verify: each query sees the prefix and, among the T new keys, its own path (random trees).
+    Row 0 has no prefix, row 1's new keys straddle key blocks (S = 1100: blocks of 512, from 504), row 2's last
+    new key is past its length (unseen); the cache past each row's keys holds NaN."""
+    B, N, K, H = 3, 4, 2, 128
+    ks = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+    k = jax.random.normal(ks[1], (B, K, S, H), jnp.float32)
+    v = jax.random.normal(ks[2], (B, K, H, S), jnp.float32)
+    tree = _random_tree(ks[3], B, T)
+    q_start = jnp.array([0, mid, S - 2 * T])
+    kv_len = q_start + T - jnp.array([0, 0, 1])
+    want = attention_reference(q, k, v, q_start, kv_len, tree=tree)
+    past = jnp.arange(S)[None, None, :] >= kv_len[:, None, None]  # [B, 1, S]
+    k = jnp.where(past[..., None], jnp.nan, k)
+    v = jnp.where(past[:, :, None, :], jnp.nan, v)
+    got = attention_tpu(q, k, v, q_start, kv_len, tree, interpret=True)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # the tree is not the causal mask: the chain kernel gives another answer
+    assert not np.allclose(attention_tpu(q, k, v, q_start, kv_len, interpret=True), want, atol=1e-3)
+
+
 @pytest.mark.parametrize("context", [4096, 32768, 131072])
 def test_the_kernel_moves_at_most_1_3x_the_byte_floor_at_long_contexts(context):
     """27B verify (16 tokens, 24 / 4 heads of 256, bf16) at the loop's cache (context + 32 positions): the key
