@@ -80,7 +80,7 @@ def cmd_bench(args) -> int:
         how = f"random token ids ({args.random_prompt_len} per prompt)"
     else:
         turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
-        model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model)
+        model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model, runtime.wants_dflash2(needed))
         target, drafter = runtime.load_models(model_dir, draft_dir, needed, dtype=runtime.DTYPES[args.dtype],
                                               progress=not args.quiet, mesh=mesh,
                                               draft_window=getattr(args, "draft_window", None))

@@ -153,6 +153,14 @@ class Request:
     note: str = ""  # how the method was chosen, when no flag chose it
 
 
+def asks_dflash2(args, spec: dict | None) -> bool:
+    """Whether ``--method`` or ``--speculative-config`` names a DFlash2 method (the shipped DFlash2 drafter is
+    then the default drafter)."""
+    if spec is not None:
+        return spec.get("method") == "dflash2"
+    return bool(args.method) and runtime.wants_dflash2([runtime.parse_method(args.method, "--method")])
+
+
 def check_request(args) -> Request:
     """Every check that needs no weights: flags, configs (sizes only), the prompts' text."""
     texts = read_prompts(args)
@@ -166,7 +174,7 @@ def check_request(args) -> Request:
         draft_flag = spec_model or args.draft_model
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
-    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
+    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
     cfg, _ = read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
     draft_block = draft_cfg = None
     if draft_dir is not None:

@@ -37,7 +37,7 @@ SIZING_NEW_TOKENS = 128
 
 def _settings(args):
     """(model dir, draft dir, method, max_model_len, target config): every check that needs no weights."""
-    from dflash_jax.cli.generate import method_from_flags, parse_speculative_config
+    from dflash_jax.cli.generate import asks_dflash2, method_from_flags, parse_speculative_config
 
     spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
     draft_flag = args.draft_model
@@ -57,7 +57,7 @@ def _settings(args):
                          "--data-parallel-size, --expert-parallel-size); --distributed and its flags are not supported")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag)
+    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
     cfg, _ = read_target_config(model_dir)
     draft_block = None
     if draft_dir is not None:

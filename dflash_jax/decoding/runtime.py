@@ -36,12 +36,19 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def model_dirs(model: str | None, draft_model: str | None) -> tuple[Path, Path | None]:
-    """(target dir, drafter dir or None): the shipped pair by default; no drafter with a user's --model."""
+def model_dirs(model: str | None, draft_model: str | None, dflash2: bool = False) -> tuple[Path, Path | None]:
+    """(target dir, drafter dir or None): the shipped pair by default (its DFlash2 drafter when ``dflash2``: every
+    DFlash method asked for is ``dflash2:B``); no drafter with a user's --model."""
     draft = model_dir(draft_model, "--draft-model") if draft_model else None
     if model is None:
-        return ASSETS / "target", draft or ASSETS / "drafter"
+        return ASSETS / "target", draft or ASSETS / ("dflash2" if dflash2 else "drafter")
     return model_dir(model, "--model"), draft
+
+
+def wants_dflash2(methods) -> bool:
+    """Whether the DFlash methods among ``methods`` (``Method``s) are all DFlash2 ones, and there is one."""
+    dflash = [m for m in methods if isinstance(m, Method) and m.kind == "dflash"]
+    return bool(dflash) and all(m.dflash2 for m in dflash)
 
 
 def hub_cache() -> Path:

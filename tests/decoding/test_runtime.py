@@ -90,6 +90,14 @@ def test_default_model_dirs():
     assert runtime.model_dirs(None, None) == (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
     assert runtime.model_dirs("m", None) == (runtime.Path("m"), None)
     assert runtime.model_dirs("m", "d") == (runtime.Path("m"), runtime.Path("d"))
+    # dflash2:B alone picks the shipped DFlash2 drafter; a user's --draft-model or --model wins
+    assert runtime.model_dirs(None, None, dflash2=True) == (runtime.ASSETS / "target", runtime.ASSETS / "dflash2")
+    assert runtime.model_dirs(None, "d", dflash2=True)[1] == runtime.Path("d")
+    assert runtime.model_dirs("m", None, dflash2=True) == (runtime.Path("m"), None)
+    parse = runtime.parse_method
+    assert runtime.wants_dflash2([parse("dflash2:16"), parse("ar"), parse("mtp:3")])
+    assert not runtime.wants_dflash2([parse("dflash2:16"), parse("dflash:16")])
+    assert not runtime.wants_dflash2([parse("ar")]) and not runtime.wants_dflash2([parse("ddtree:8")])
 
 
 def test_default_dtype_is_float32_on_cpu():
