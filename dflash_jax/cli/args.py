@@ -18,6 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from dflash_jax.config import ConfigError
+from dflash_jax.decoding.runtime import use_tpu_xla_flags
 from dflash_jax.io import atomic
 from dflash_jax.io.checkpoint import CheckpointError
 from dflash_jax.parallel import make_mesh
@@ -106,7 +107,7 @@ def positive(text: str) -> int:
 
 
 def add_draft_window_argument(parser) -> None:
-    """``--draft-window N`` (generate, bench, serve): ``runtime.load_models(draft_window=)``."""
+    """``--draft-window N`` (generate, bench, serve, compile): ``runtime.load_models(draft_window=)``."""
     parser.add_argument("--draft-window", type=positive, metavar="N",
                         help="bound the drafter's context: each draft block sees at most the last N context "
                              "positions (N >= the drafter's block size), so its cost stops growing with the "
@@ -232,6 +233,7 @@ def _release_claims(args) -> None:
 def run(args) -> int:
     """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
     quiet_libtpu()
+    use_tpu_xla_flags()
     try:
         try:
             check_outputs(args)

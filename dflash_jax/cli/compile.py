@@ -90,7 +90,8 @@ def cmd_compile(args) -> int:
         for batch in args.batch:
             for tree in args.tree or (None,):
                 setup = compile_report.abstract_setup(*configs, devices, shape=name, kernels=kernels, model=tp,
-                                                      batch=batch, block=block, context=args.context, tree=tree)
+                                                      batch=batch, block=block, context=args.context, tree=tree,
+                                                      draft_window=args.draft_window)
                 compile_report.report(setup, args.programs, compiler_options=options, tau=args.tau, on_row=emit)
     print(compile_report.format_rows(rows))
     if args.json:
@@ -138,6 +139,7 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=4096,
                    help="cache positions attended (the cache holds context + 2 x max(block, tree + 1), rounded "
                         "up to 128)")
+    cli_args.add_draft_window_argument(p)
     p.add_argument("--programs", type=_programs, default=("decode", "verify", "step"),
                    help="comma-separated: decode (plain step, T=1), verify (T=block, or tree + 1), settle, draft, "
                         "step, loop (the on-device while-loop), run (prefill + loop: the whole generate), walk "

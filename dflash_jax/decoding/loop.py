@@ -197,6 +197,13 @@ def _memory_bytes(device) -> int | None:
     return None
 
 
+def tile_capacity(need: int, platform: str) -> int:
+    """A cache length of at least ``need`` positions: on a TPU a multiple of 128, which tiles the V cache
+    [.., H, S] by 128 along S; at another length the compiler copies the whole V cache into that layout before
+    the attention kernel reads it (measured: a 268 MB temporary per 27B layer at 128K). Elsewhere ``need``."""
+    return -(-need // 128) * 128 if platform == "tpu" else need
+
+
 def _phase(**jit_options):
     """A loop phase: jitted with the loop static, traced under its mesh (``parallel.mesh_context``)."""
     def wrap(fn):
@@ -271,7 +278,8 @@ class SpeculativeLoop:
         """The target cache length for a [batch, bucket] prompt batch; a clear error if it cannot be held."""
         max_new, width = self.spec.max_new_tokens, max(self.spec.block_size, self.spec.width)
         need = bucket + max_new + width
-        capacity = need if self.spec.capacity is None else self.spec.capacity
+        platform = jax.default_backend() if self.mesh is None else self.mesh.devices.flat[0].platform
+        capacity = tile_capacity(need, platform) if self.spec.capacity is None else self.spec.capacity
         if capacity < need:
             what = "block_size" if self.spec.tree_budget is None else "tree_budget + 1"
             raise ValueError(f"cache capacity {capacity} is too small: prompt bucket {bucket} + "

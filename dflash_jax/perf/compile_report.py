@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax import parallel
-from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
+from dflash_jax.decoding import runtime
+from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop, tile_capacity
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, TargetView
 from dflash_jax.models.drafter import draft_logits
 from dflash_jax.perf import roofline, synthetic
@@ -147,10 +148,8 @@ class Setup:
 
     @property
     def capacity(self) -> int:
-        """context + 2 x max(block, width), rounded up to a multiple of 128: a TPU holds the V cache [.., H, S]
-        tiled by 128 along S, and at another length the compiler copies the whole V cache into that layout
-        before the attention kernel reads it (measured: a 268 MB temporary per layer at 128K)."""
-        return -(-(self.context + 2 * max(self.block, self.width)) // 128) * 128
+        """context + 2 x max(block, width), as the loop sizes it on the devices (``loop.tile_capacity``)."""
+        return tile_capacity(self.context + 2 * max(self.block, self.width), self.devices[0].platform)
 
 
 def _placed(tree, shardings):
@@ -165,6 +164,8 @@ def _on(tree, device_sharding):
 # the compiler must copy every K/V cache before writing the block's rows into it, a whole cache's bytes per
 # attention layer that the loop never moves.
 _DONATED_CHECK = jax.jit(SpeculativeLoop.check, static_argnums=0, donate_argnums=2)
+# The draft phase the same way: it writes the block's context rows into the drafter's cache, in place in ``step``.
+_DONATED_DRAFT = jax.jit(SpeculativeLoop.draft, static_argnums=0, donate_argnums=2)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -237,7 +238,7 @@ def programs(setup: Setup, names=PROGRAMS) -> dict[str, tuple]:
     return built | {
         "verify": (_DONATED_CHECK, (loop, params, state, draft), s.width),
         "settle": (SpeculativeLoop.settle, (loop, params, state, draft, verified), 0),
-        "draft": (SpeculativeLoop.draft, (loop, params, state), 0),
+        "draft": (_DONATED_DRAFT, (loop, params, state), 0),
         "step": (SpeculativeLoop.step, (loop, params, state), s.width),
         "loop": (SpeculativeLoop.decode, (loop, params, state), s.width),
         "run": (SpeculativeLoop.run, (loop, params, *prompts, 0), s.width),
@@ -305,11 +306,14 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
     ``ratio``: verify(width) / decode(1) by the compiler's time and projected tokens/s per chip at ``tau``; with
     ``walk`` (a DFlash2 drafter), the selector walk's share of ``step`` and ``draft`` (time, FLOPs, bytes)."""
     device = setup.devices[0]
+    if device.platform == "tpu":  # the flags the loop runs with there (``runtime.use_tpu_xla_flags``), yours over them
+        compiler_options = {**runtime.TPU_XLA_FLAGS, **(compiler_options or {})}
     hbm = HBM_BYTES.get(device.device_kind)
     head = dict(shape=setup.shape, device=CHIP_NAMES.get(device.device_kind, device.device_kind),
                 device_kind=device.device_kind, kernels=setup.target.kernels, chips=setup.model, batch=setup.batch,
                 block=setup.block, tree=setup.tree, width=setup.width, context=setup.context,
-                capacity=setup.capacity, hbm_bytes=hbm, compiler_options=compiler_options or {})
+                capacity=setup.capacity, draft_window=setup.drafter.cfg.draft_window,
+                hbm_bytes=hbm, compiler_options=compiler_options or {})
     built = programs(setup, names)
     if "walk" in names and "walk" not in built:
         raise ValueError("--programs walk: the selector walk needs a DFlash2 drafter (--drafter dflash2)")
@@ -344,11 +348,13 @@ def report(setup: Setup, names=PROGRAMS, *, compiler_options: dict | None = None
 
 
 def abstract_setup(target_config, drafter_config, devices, *, shape: str = "", kernels: str = "reference",
-                   **kw) -> Setup:
+                   draft_window: int | None = None, **kw) -> Setup:
     """A ``Setup`` of abstract models (bf16) of two configs (as ``synthetic`` takes them: objects, raw
-    ``config.json`` dicts or paths); ``kw``: the ``Setup`` fields (model, batch, block, context, prompt)."""
-    return Setup(shape=shape, target=synthetic.abstract_target(target_config, kernels=kernels),
-                 drafter=synthetic.abstract_drafter(drafter_config, kernels=kernels), devices=tuple(devices), **kw)
+    ``config.json`` dicts or paths); ``draft_window``: ``--draft-window``'s bound on the drafter's context;
+    ``kw``: the ``Setup`` fields (model, batch, block, context, prompt)."""
+    drafter = synthetic.abstract_drafter(drafter_config, kernels=kernels, window=draft_window)
+    return Setup(shape=shape, target=synthetic.abstract_target(target_config, kernels=kernels), drafter=drafter,
+                 devices=tuple(devices), **kw)
 
 
 def real_configs(shape: str, layers: int | None = None, drafter: str = "dflash") -> tuple[dict, dict]:

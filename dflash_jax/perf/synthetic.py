@@ -15,6 +15,7 @@ readable; its shape follows z-lab's Qwen3.6-27B drafter (5 layers, width 5120, M
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -121,9 +122,11 @@ def abstract_target(config, *, dtype=jnp.bfloat16, mtp: bool = False, kernels: s
     return Target(cfg, graphdef, params)
 
 
-def abstract_drafter(config, *, dtype=jnp.bfloat16, kernels: str | None = None) -> Drafter:
-    """A drafter with ``jax.ShapeDtypeStruct`` params, for lowering."""
+def abstract_drafter(config, *, dtype=jnp.bfloat16, kernels: str | None = None, window: int | None = None) -> Drafter:
+    """A drafter with ``jax.ShapeDtypeStruct`` params, for lowering; ``window``: ``load_drafter``'s draft window."""
     cfg = drafter_config(config)
+    if window is not None:
+        cfg = dataclasses.replace(cfg, draft_window=window)  # validated: an integer >= block_size
     graphdef, params = nnx.split(nnx.eval_shape(
         lambda: DFlashDrafter(cfg, dtype=dtype, kernels=kernels, rngs=nnx.Rngs(0))))
     return Drafter(cfg, graphdef, params)

@@ -26,7 +26,7 @@ import numpy as np
 
 from dflash_jax import parallel
 from dflash_jax.decoding.api import bucket_for
-from dflash_jax.decoding.loop import FinishReason, LoopState, SpecConfig, SpeculativeLoop
+from dflash_jax.decoding.loop import FinishReason, LoopState, SpecConfig, SpeculativeLoop, tile_capacity
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
 
 log = logging.getLogger("dflash_jax.serve")
@@ -134,8 +134,9 @@ class Engine:
     def capacity(max_model_len: int, width: int) -> int:
         """The cache length of every slot: the largest prompt bucket plus max_model_len new tokens and the verify
         width ``width`` (the block, or max(block, N + 1) for a draft tree of N nodes: the tokens one verify writes;
-        ``SpeculativeLoop.capacity``'s rule for any prompt; a request's prompt + max_tokens <= max_model_len)."""
-        return bucket_limit(max_model_len) + max_model_len + width
+        ``SpeculativeLoop.capacity``'s rule for any prompt, a multiple of 128 on a TPU; a request's prompt +
+        max_tokens <= max_model_len)."""
+        return tile_capacity(bucket_limit(max_model_len) + max_model_len + width, jax.default_backend())
 
     def buckets(self) -> list[int]:
         """The prompt lengths prefill compiles for: powers of two from 16, the last one the context."""

@@ -256,6 +256,18 @@ def test_huge_max_new_tokens_is_refused_not_hung(hf_dense):
         generate(target, [[1, 2]], max_new_tokens=1e10)
 
 
+def test_the_cache_is_a_multiple_of_128_positions_on_a_tpu_only(hf_dense, monkeypatch):
+    """On a TPU the V cache is tiled by 128 along its positions; another length costs a copy of the whole cache."""
+    target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
+    loop = gen.SpeculativeLoop.of(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=20))
+    assert loop.capacity(1, 16, jnp.float32) == 16 + 20 + 1
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert loop.capacity(1, 16, jnp.float32) == 128
+    assert gen.tile_capacity(256, "tpu") == 256 and gen.tile_capacity(257, "tpu") == 384
+    given = gen.SpeculativeLoop.of(target, NoProposer(), SpecConfig(block_size=1, max_new_tokens=20, capacity=40))
+    assert given.capacity(1, 16, jnp.float32) == 40  # a capacity the caller gave is kept
+
+
 def test_warns_past_max_position_embeddings(hf_dense):
     target = load_target(hf_dense[1], dtype=jnp.float32, progress=False)
     short = dataclasses.replace(target, cfg=dataclasses.replace(target.cfg, max_position_embeddings=20))

@@ -178,3 +178,16 @@ def test_greedy_speculative_decoding_is_lossless_in_bfloat16():
         out = generate(target, prompts, drafter=drafter, block_size=block, max_new_tokens=48, stop_ids=())
         assert out.token_lists() == plain, f"block {block}"
         assert float(out.tau.mean()) > 1.5  # drafts were accepted: the acceptance path ran, not only rejections
+
+
+def test_the_tpu_xla_flags_join_libtpu_init_args_unless_the_user_named_them():
+    environ = {}
+    assert runtime.use_tpu_xla_flags(environ) == ["--xla_msa_max_outstanding_prefetches=0"]
+    assert environ["LIBTPU_INIT_ARGS"] == "--xla_msa_max_outstanding_prefetches=0"
+    assert runtime.use_tpu_xla_flags(environ) == [] and environ["LIBTPU_INIT_ARGS"].count("prefetches") == 1
+    mine = {"LIBTPU_INIT_ARGS": "--xla_tpu_foo=1 --xla_msa_max_outstanding_prefetches=-1"}
+    assert runtime.use_tpu_xla_flags(mine) == []
+    assert mine["LIBTPU_INIT_ARGS"] == "--xla_tpu_foo=1 --xla_msa_max_outstanding_prefetches=-1"
+    theirs = {"LIBTPU_INIT_ARGS": "--xla_tpu_foo=1"}
+    runtime.use_tpu_xla_flags(theirs)
+    assert theirs["LIBTPU_INIT_ARGS"] == "--xla_tpu_foo=1 --xla_msa_max_outstanding_prefetches=0"

@@ -75,9 +75,10 @@ def test_a_one_row_matmul_costs_five_vector_ops_per_weight_unless_strength_reduc
 def test_the_compile_command_writes_rows_and_refuses_an_unknown_topology(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x2", "--programs", "decode,verify",
-                 "--batch", "2", "--context", "64", "--json", str(out)]) == 0
+                 "--batch", "2", "--context", "64", "--draft-window", "32", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [r["program"] for r in rows] == ["decode", "verify", "ratio"]
+    assert rows[0]["draft_window"] == 32 and rows[0]["compiler_options"] == runtime.TPU_XLA_FLAGS
     ratio = rows[-1]
     assert math.isclose(ratio["verify_over_decode"], rows[1]["optimal_seconds"] / rows[0]["optimal_seconds"])
     assert "verify(16) / decode(1)" in capsys.readouterr().out
@@ -142,10 +143,23 @@ def test_a_27b_shaped_decode_with_four_layers_compiles_for_a_v5p_chip_near_its_b
     assert row["floor_bytes"] <= row["bytes_accessed"] <= 1.3 * row["floor_bytes"]
 
 
+def test_a_35b_a3b_shaped_decode_reads_its_active_floor_with_the_weights_left_where_they_lie():
+    """Qwen3.5-35B-A3B's layer shapes, 4 layers, the TPU kernels: the routed experts read only the 8 picked, and
+    with libtpu's weight prefetches into VMEM off (``runtime.TPU_XLA_FLAGS``, the report's default on a TPU)
+    the decode's bytes are within 1.3x its floor; with XLA's default prefetching they are not."""
+    v5p = compile_report.tpu_devices("v5p:2x2x1")
+    setup = compile_report.real_setup("35b-a3b", v5p, layers=4, kernels="tpu", context=1024)
+    (row,) = compile_report.report(setup, ("decode",))
+    assert row["compiler_options"] == runtime.TPU_XLA_FLAGS and row["optimal_seconds"] > 0
+    assert row["floor_bytes"] <= row["bytes_accessed"] <= 1.3 * row["floor_bytes"]
+    (xla,) = compile_report.report(setup, ("decode",), compiler_options={"xla_msa_max_outstanding_prefetches": -1})
+    assert xla["bytes_accessed"] > 1.3 * row["floor_bytes"] and xla["optimal_seconds"] > row["optimal_seconds"]
+
+
 def test_a_tree_setup_verifies_its_n_plus_one_nodes_in_a_cache_sized_for_them(v5e):
     """``Setup(tree=N)``: the verify program is the loop's tree verify (N + 1 tokens, the draft's tree as parents),
     the cache holds context + 2 x max(block, N + 1) rounded up to 128 (the chain's rule), and it compiles."""
-    capacity = lambda **kw: compile_report.Setup(shape="", target=None, drafter=None, devices=(), **kw).capacity  # noqa: E731
+    capacity = lambda **kw: compile_report.Setup(shape="", target=None, drafter=None, devices=v5e, **kw).capacity  # noqa: E731
     assert (capacity(), capacity(tree=16), capacity(tree=64), capacity(tree=128)) == (4224, 4224, 4352, 4480)
     assert capacity(block=8, tree=4, context=100) == 128
     with pytest.raises(ValueError, match="--tree 0: a tree budget must be an integer >= 1"):
