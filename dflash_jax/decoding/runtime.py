@@ -248,6 +248,9 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
     from dflash_jax.models.target import load_target
 
     kinds = {m.kind for m in methods}
+    if draft_window is not None and "dflash" not in kinds:  # before the (long) load: the flag would do nothing
+        raise ValueError(f"--draft-window {draft_window}: bounds a DFlash drafter's context, and none of "
+                         f"{', '.join(m.name for m in methods)} drafts with one")
     target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False, mesh=mesh)
     drafter = None
     if "dflash" in kinds:

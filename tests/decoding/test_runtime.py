@@ -191,3 +191,10 @@ def test_the_tpu_xla_flags_join_libtpu_init_args_unless_the_user_named_them():
     theirs = {"LIBTPU_INIT_ARGS": "--xla_tpu_foo=1"}
     runtime.use_tpu_xla_flags(theirs)
     assert theirs["LIBTPU_INIT_ARGS"] == "--xla_tpu_foo=1 --xla_msa_max_outstanding_prefetches=0"
+
+
+def test_a_draft_window_without_a_dflash_method_is_refused_before_loading(tmp_path):
+    methods = [runtime.AR, runtime.parse_method("mtp:3")]
+    with pytest.raises(ValueError, match="--draft-window 64: bounds a DFlash drafter's context, and none of ar, "
+                                         "mtp:3 drafts with one"):
+        runtime.load_models(tmp_path / "nothing here", None, methods, dtype="float32", draft_window=64)
