@@ -73,8 +73,8 @@ def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, windo
         fn = lambda *a: attention_tpu(*a, causal=causal, window=window,  # noqa: E731
                                       interpret=mode == "tpu-interpret")
     else:
-        fn = lambda *a: kernels.attention(*a[:5], causal=causal, window=window, impl=mode,  # noqa: E731
-                                          tree=a[5] if len(a) > 5 else None)
+        fn = lambda q, k, v, start, end, tree=None: kernels.attention(  # noqa: E731 -- tree: the 6th arg when given
+            q, k, v, start, end, causal=causal, window=window, impl=mode, tree=tree)
     return _per_device(fn, mode, args, labels, _HEADS, heads=("heads", q.shape[2]),
                        shared=("kv_heads", k_cache.shape[1]))
 
