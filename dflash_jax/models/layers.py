@@ -255,13 +255,17 @@ class SparseMoeBlock(nnx.Module):
         flat = jnp.where(mine, local, num).reshape(-1)
         order = jnp.argsort(flat, stable=True)
         token = order // self.top_k
-        if kernels.dispatch.is_tpu(self.kernels) and x.shape[0] <= _TPU_QUERIES:
-            # libtpu's cost model charges a bincount -2 s (the whole program's estimate turns negative) and a row
-            # gather ~6x a one-hot product's bytes at 16 tokens: the forms it costs as what they move
+        tpu = kernels.dispatch.is_tpu(self.kernels)
+        # libtpu's cost model charges a bincount -2 s (the whole program's estimate turns negative) and a row
+        # gather ~6x a one-hot product's bytes at 16 tokens: on a TPU the forms it costs as what they move (the
+        # product up to _TPU_QUERIES tokens; past that, a prompt's, it would cost M^2 x k x D)
+        if tpu:
             sizes = jnp.sum(flat[:, None] == jnp.arange(num, dtype=flat.dtype), axis=0, dtype=jnp.int32)
-            rows = jax.nn.one_hot(token, x.shape[0], dtype=x.dtype) @ x  # [M*k, D], exact: one 1 per row
         else:
             sizes = jnp.bincount(flat, length=num + 1)[:num].astype(jnp.int32)
+        if tpu and x.shape[0] <= _TPU_QUERIES:
+            rows = jax.nn.one_hot(token, x.shape[0], dtype=x.dtype) @ x  # [M*k, D], exact: one 1 per row
+        else:
             rows = x[token]
         h = experts.project("gate_up_proj", rows, sizes, self.kernels)  # [M*k, 2I]
         I = h.shape[-1] // 2

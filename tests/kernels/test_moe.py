@@ -158,6 +158,10 @@ def test_the_moe_target_in_the_tpu_mode_matches_transformers(hf_moe):
     for T in (1, 16):
         out, _ = tg.verify(tokens[:, 20:20 + T], jax.tree.map(jnp.copy, cache))  # verify donates the cache
         np.testing.assert_allclose(np.asarray(out.logits[0]), want[20:20 + T], atol=1e-4)
+    # a prompt of more than _TPU_QUERIES tokens: the experts' rows gathered, counted per expert by comparison
+    long = np.random.default_rng(6).integers(0, tg.cfg.vocab_size, (1, 72)).astype(np.int32)
+    out, _ = tg.prefill(long, [72], capacity=128)
+    np.testing.assert_allclose(np.asarray(out.logits[0]), hf_logits(hf, long)[0, -1], atol=1e-4)
     # the Mosaic kernels ran (the layers' bodies are traced once per kind): the experts' gate_up and down, the
     # attention kernel and the GDN verify
     jaxpr = str(jax.make_jaxpr(functools.partial(target.verify, tg.graphdef))(tg.params, tokens[:, 20:36], cache))
