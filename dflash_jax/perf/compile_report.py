@@ -262,7 +262,8 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     """Lowers and compiles one phase; its per-device memory and cost as the compiler reports them. Where the
     compiled program has no cost analysis (XLA's GPU compiler through its plugin) FLOPs and bytes are the
     lowered program's (before fusion: bytes are an upper bound) and ``optimal_seconds`` is NaN, as it is where
-    the TPU's estimate is not positive (libtpu 0.0.42 gives a negative one for 27B programs on a mesh)."""
+    the TPU's estimate is not positive (libtpu 0.0.42 charges some ops -1 or -2 s: with XLA's weight prefetching,
+    a bincount; docs/compile.md)."""
     start = time.perf_counter()
     lowered = phase.lower(*args)
     compiled = lowered.compile(compiler_options=compiler_options or None)
@@ -277,7 +278,7 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
                flops=float(cost.get("flops", math.nan)), bytes_accessed=float(cost.get("bytes accessed", math.nan)),
                optimal_seconds=float(cost.get("optimal_seconds", math.nan)), cost_source=source,
                compile_s=round(seconds, 1))
-    if not row["optimal_seconds"] > 0:  # libtpu 0.0.42's estimate for a program with collectives: negative
+    if not row["optimal_seconds"] > 0:  # libtpu 0.0.42's estimate with an op it charges a negative time
         row["optimal_seconds"] = math.nan
     # What the chip holds while it runs: inputs, outputs not aliased to a donated input, temporaries.
     row["peak_bytes"] = row["argument_bytes"] + row["output_bytes"] - row["alias_bytes"] + row["temp_bytes"]
