@@ -77,6 +77,8 @@ def cmd_compile(args) -> int:
     else:
         configs = compile_report.real_configs(args.shape, drafter=args.drafter)
     block = args.block or synthetic.drafter_config(configs[1]).block_size
+    if args.draft_window is not None and args.draft_window < block:
+        raise ValueError(f"--draft-window {args.draft_window}: must be >= the drafter's block size {block}")
     name = args.shape if args.drafter == "dflash" else f"{args.shape}+{args.drafter}"
     options = dict(args.compiler_option)
     kernels = args.kernels if args.kernels != "auto" else "tpu" if args.platform == "tpu" else "pallas"

@@ -99,6 +99,7 @@ def test_the_compile_command_writes_rows_and_refuses_an_unknown_topology(tmp_pat
     (["--tree", "16", "--block", "1"], "--block 1: a tree needs depth block - 1 >= 1"),
     (["--drafter", "dflash2"], "--drafter dflash2: only for --shape 27b or 35b-a3b"),
     (["--programs", "walk"], "--programs walk: the selector walk needs --drafter dflash2"),
+    (["--draft-window", "8"], "--draft-window 8: must be >= the drafter's block size 16"),
 ])
 def test_the_compile_command_refuses_bad_flags_in_one_line_before_compiling(flags, message, capsys, monkeypatch,
                                                                             tmp_path):
