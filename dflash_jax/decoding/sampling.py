@@ -217,15 +217,22 @@ def _accept_sampled(drafts, draft_probs, target_logits, keys, cfg):
     """``accept`` when sampling: draft d kept with probability min(1, p(d) / q(d)), then the residual."""
     k = drafts.shape[1]
     p = probs(target_logits, cfg)  # [B, k+1, V]
-    q = jax.nn.one_hot(drafts, p.shape[-1], dtype=p.dtype) if draft_probs is None else draft_probs
     u_keys, r_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
     u = jax.vmap(lambda key: jax.random.uniform(key, (k,)))(u_keys)  # [B, k]
     p_d = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    if draft_probs is None:  # one-hot q: q(d) = 1, and the row at a is the draft's one-hot (no [B, k, V] q built)
+        q_d = jnp.ones_like(p_d)
+    else:
+        q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
     a = jnp.sum(jnp.cumprod(u * q_d < p_d, axis=1), axis=1).astype(jnp.int32)
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
-    q_a = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), a[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_a - q_a, 0.0)  # q_a is zero past the last draft: plain p there
+    at = jnp.minimum(a, k - 1)[:, None]  # q's row a, zero past the last draft (a == k): plain p there
+    if draft_probs is None:
+        q_a = jax.nn.one_hot(jnp.take_along_axis(drafts, at, axis=1)[:, 0], p.shape[-1], dtype=p.dtype)
+    else:
+        q_a = jnp.take_along_axis(draft_probs, at[:, :, None], axis=1)[:, 0]
+    q_a = jnp.where((a < k)[:, None], q_a, 0.0)
+    residual = jnp.maximum(p_a - q_a, 0.0)
     mass = residual.sum(-1, keepdims=True)
     residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_a)
     return a, jax.vmap(_categorical)(r_keys, residual).astype(jnp.int32)
