@@ -194,10 +194,6 @@ def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree
                          f"{type(sampling).__name__} {sampling!r}"[:300])
     if tree_budget is not None and drafter is None:
         raise ValueError(f"tree_budget {tree_budget!r}: draft trees need a DFlash drafter (drafter=)")
-    cfg = drafter.cfg if isinstance(drafter, Drafter) else getattr(drafter[0], "cfg", None) if drafter else None
-    if tree_budget is not None and getattr(cfg, "dflash2", False):
-        raise ValueError(f"tree_budget {tree_budget!r}: a draft tree is grown from per-position distributions and "
-                         f"would leave out this DFlash2 drafter's candidate selector; run its chain (no tree_budget)")
     for name, value in (("max_new_tokens", max_new_tokens), ("block_size", block_size), ("tree_budget", tree_budget)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -249,6 +249,10 @@ class SpeculativeLoop:
         if self.spec.tree_budget is not None and not hasattr(self.proposer, "block_logprobs"):
             raise ValueError(f"tree_budget {self.spec.tree_budget}: draft trees need a drafter that gives "
                              f"per-position distributions (a DFlash drafter), not {type(self.proposer).__name__}")
+        if self.spec.tree_budget is not None and self.proposer.cfg.dflash2:
+            raise ValueError(f"tree_budget {self.spec.tree_budget}: a draft tree is grown from per-position "
+                             f"distributions and would leave out this DFlash2 drafter's candidate selector; run its "
+                             f"chain (no tree_budget)")
         outside = [t for t in self.spec.stop_ids or () if t >= self.cfg.vocab_size]
         if outside:
             raise ValueError(f"stop_ids: token id {outside[0]} is outside the target's vocabulary "
