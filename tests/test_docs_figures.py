@@ -87,7 +87,7 @@ def test_model_card_dflash_figures_are_measured_again():
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
     from dflash_jax.decoding.api import generate
     from dflash_jax.models.drafter import load_drafter
     from dflash_jax.models.target import load_target
@@ -100,8 +100,8 @@ def test_model_card_dflash_figures_are_measured_again():
     _, prompts = evaluate.eval_prompts(tk.load(ASSETS / "target"), 16)
     taus = []
     for block in (4, 8, 16):
-        method = runtime.Method("dflash", block)
-        out = generate(target, prompts, drafter=runtime.proposer_for(method, target, drafter), block_size=block,
+        method = frontend.Method("dflash", block)
+        out = generate(target, prompts, drafter=frontend.proposer_for(method, target, drafter), block_size=block,
                        max_new_tokens=128, stop_ids=())
         taus.append(round(float(np.mean(np.asarray(out.tau))), 2))
     assert taus == _row(CARD, "DFlash (block 4 / 8 / 16)")

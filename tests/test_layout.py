@@ -16,7 +16,8 @@ PACKAGE = ROOT / "dflash_jax"
 KERNELS = ROOT / "kernels"
 
 # Each layer may import only the layers before it (and itself); kernels is a leaf library anyone may use.
-LAYERS = ("config", "io", "parallel", "models", "decoding", "train", "perf", "serve", "cli")
+# ``frontend`` (model folders, tokenizer, methods) sits above decoding/ and below everything that faces a user.
+LAYERS = ("config", "io", "parallel", "models", "decoding", "frontend", "train", "perf", "serve", "cli")
 CORE = ("config", "io", "parallel", "models", "decoding")
 
 
@@ -78,7 +79,8 @@ def test_no_import_cycle():
 
 
 def test_layers_point_one_way():
-    """config <- io <- parallel <- models <- decoding <- train/perf/serve <- cli, and kernels imports nothing."""
+    """config <- io <- parallel <- models <- decoding <- frontend <- train/perf/serve <- cli; kernels imports
+    nothing."""
     bad = []
     for m, deps in _graph().items():
         layer = _layer(m)

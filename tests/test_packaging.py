@@ -77,8 +77,8 @@ def _without_torch(code: str) -> subprocess.CompletedProcess:
 
 
 def test_no_pytorch_banner_at_run_time():
-    loaded = _without_torch("from dflash_jax.decoding import runtime\n"
-                            "tok = runtime.load_tokenizer(runtime.ASSETS / 'target')\n"
+    loaded = _without_torch("from dflash_jax import frontend\n"
+                            "tok = frontend.load_tokenizer(frontend.ASSETS / 'target')\n"
                             "print(tok('def f():')['input_ids'])")
     assert loaded.returncode == 0, loaded.stderr
     assert "PyTorch was not found" not in loaded.stdout + loaded.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_jax.decoding.runtime import ASSETS
+from dflash_jax.frontend import ASSETS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash_jax.decoding.api import generate
-from dflash_jax.decoding.runtime import ASSETS
+from dflash_jax.frontend import ASSETS
 from dflash_jax.models.drafter import load_drafter
 from dflash_jax.models.target import forward, load_target
 from dflash_jax.train import tokenizer as tk

@@ -107,7 +107,7 @@ def positive(text: str) -> int:
 
 
 def add_draft_window_argument(parser) -> None:
-    """``--draft-window N`` (generate, bench, serve, compile): ``runtime.load_models(draft_window=)``."""
+    """``--draft-window N`` (generate, bench, serve, compile): ``frontend.load_models(draft_window=)``."""
     parser.add_argument("--draft-window", type=positive, metavar="N",
                         help="bound the drafter's context: each draft block sees at most the last N context "
                              "positions (N >= the drafter's block size), so its cost stops growing with the "

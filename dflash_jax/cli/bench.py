@@ -12,9 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_jax import parallel
+from dflash_jax import frontend, parallel
 from dflash_jax.cli import args as cli_args
-from dflash_jax.decoding import runtime
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.workloads import WORKLOADS, load_turns
 from dflash_jax.io import atomic
@@ -51,7 +50,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"{', '.join(trees)}: a draft tree is grown from the drafter's distributions; "
                          "--simulate-acceptance replays chains only")
     # what the models are loaded for: the loop's methods, and a DFlash one for auto (its drafter)
-    needed = [m for m in methods if isinstance(m, runtime.Method)] + ([runtime.Method("dflash", 2)]
+    needed = [m for m in methods if isinstance(m, frontend.Method)] + ([frontend.Method("dflash", 2)]
                                                                       if AUTO in methods else [])
     workloads = [w.strip() for w in args.workload.split(",")]
     unknown = [w for w in workloads if w not in WORKLOADS]
@@ -70,7 +69,7 @@ def cmd_bench(args) -> int:
         raise ValueError("--simulate-acceptance replays the greedy output: it needs --temperature 0")
     if args.random_prompt_len < 1:
         raise ValueError(f"--random-prompt-len must be >= 1, got {args.random_prompt_len}")
-    args.dtype = args.dtype or runtime.default_dtype()
+    args.dtype = args.dtype or frontend.default_dtype()
     out = Path(args.out)  # args.check_outputs proved it writable before any work
     if args.random_config:
         workloads = ["random"]
@@ -80,13 +79,13 @@ def cmd_bench(args) -> int:
         how = f"random token ids ({args.random_prompt_len} per prompt)"
     else:
         turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
-        model_dir, draft_dir = runtime.model_dirs(args.model, args.draft_model, runtime.wants_dflash2(needed))
-        target, drafter = runtime.load_models(model_dir, draft_dir, needed, dtype=runtime.DTYPES[args.dtype],
+        model_dir, draft_dir = frontend.model_dirs(args.model, args.draft_model, frontend.wants_dflash2(needed))
+        target, drafter = frontend.load_models(model_dir, draft_dir, needed, dtype=frontend.DTYPES[args.dtype],
                                               progress=not args.quiet, mesh=mesh,
                                               draft_window=getattr(args, "draft_window", None))
     notes = []
     mtp = [m for m in needed if m.kind == "mtp"]
-    if mtp and not runtime.has_mtp(target):
+    if mtp and not frontend.has_mtp(target):
         notes.append(f"skipped {', '.join(m.name for m in mtp)}: {model_dir} has no MTP head (mtp.* weights)")
         methods = [m for m in methods if m not in mtp]
     peer_models = peers.Models(model_dir, draft_dir, peer_list, args.dtype) if peer_list else None
@@ -99,11 +98,11 @@ def cmd_bench(args) -> int:
     for note in notes:
         print(f"dflash-jax bench: {note}", file=sys.stderr)
     if not args.random_config:
-        tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir,
+        tokenizer = frontend.load_tokenizer(args.tokenizer or model_dir,
                                            "--tokenizer" if args.tokenizer else "--model")
-        encoded = {w: [runtime.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
+        encoded = {w: [frontend.encode(tokenizer, t, args.chat_template, args.enable_thinking) for t in turns[w]]
                    for w in workloads}
-        how = runtime.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
+        how = frontend.encoding_name(tokenizer, args.chat_template, args.enable_thinking)
     units = sum(args.repeats * len(methods) * len(_batches(len(encoded[w]), c)) for w in workloads
                 for c in args.concurrency)
     results = []
@@ -194,7 +193,7 @@ def add_parser(sub) -> None:
                         "prompts are random token ids (pair with --simulate-acceptance to fix tau)")
     b.add_argument("--random-prompt-len", type=int, default=64, help="tokens per prompt with --random-config")
     b.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
-    b.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+    b.add_argument("--dtype", choices=tuple(frontend.DTYPES), default=None,
                    help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
     b.add_argument("--out", default="bench_out", help="directory for bench.json and the plots")
     b.add_argument("--no-plots", action="store_true", help="write bench.json only")

@@ -63,7 +63,7 @@ def cmd_compile(args) -> int:
     check_args(args)  # every flag before the first (minutes-long) compile
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", "cpu")
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
     from dflash_jax.perf import compile_report, synthetic
 
     if args.platform == "tpu":
@@ -73,7 +73,7 @@ def cmd_compile(args) -> int:
     where = f"the {args.topology} topology" if args.platform == "tpu" else f"{max(args.tp)} x {args.gpu}"
     compile_report.check_tensor_parallel(args.tp, devices, where)
     if args.shape == "shipped":
-        configs = (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
+        configs = (frontend.ASSETS / "target", frontend.ASSETS / "drafter")
     else:
         configs = compile_report.real_configs(args.shape, drafter=args.drafter)
     block = args.block or synthetic.drafter_config(configs[1]).block_size

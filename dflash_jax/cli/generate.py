@@ -1,7 +1,7 @@
 """The ``dflash-jax`` command line: ``generate`` (the main job), ``bench``, ``quantize`` and the training stages.
 
 Top of the data flow: ``generate`` checks every flag and input, loads a target and a proposer
-through ``runtime.py``, streams completions through ``decoding.api.stream`` (their text decoded as the
+through ``frontend.py``, streams completions through ``decoding.api.stream`` (their text decoded as the
 tokens arrive, ``TextStream``) and then times
 speculative decoding against plain decoding with ``bench.py``'s measurement (the same compiled
 on-device loop, warm, repeated, interleaved). With no flags it runs the small models shipped in
@@ -19,9 +19,10 @@ from pathlib import Path
 
 import jax
 
+from dflash_jax import frontend
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import read_target_config
-from dflash_jax.decoding import runtime
+from dflash_jax.decoding import workloads
 from dflash_jax.decoding.api import PositionWarning, position_warning, stream
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.text import TextStream
@@ -31,9 +32,9 @@ SPEC_KEYS = ("method", "model", "num_speculative_tokens")
 MTP_DEFAULT_STEPS = 3
 
 
-def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runtime.Method:
+def method_from_flags(args, spec: dict | None, draft_block: int | None) -> frontend.Method:
     """The method generate's flags ask for: ``spec`` (the parsed ``--speculative-config``) or
-    ``--draft-model``/``--block-size``. (``runtime.parse_method`` reads a method string such as ``mtp:3``.)
+    ``--draft-model``/``--block-size``. (``frontend.parse_method`` reads a method string such as ``mtp:3``.)
 
     ``draft_block`` is the drafter's block size (None without a drafter). Settings that disagree,
     or that the chosen method would not use, are refused rather than dropped. ``--block-size auto`` (None)
@@ -42,7 +43,7 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
     if getattr(args, "method", None):
         if spec is not None or args.block_size is not None:
             raise ValueError("--method names the method itself: leave out --block-size and --speculative-config")
-        method = runtime.parse_method(args.method, "--method")
+        method = frontend.parse_method(args.method, "--method")
         if method.kind == "dflash" and draft_block is None:
             raise ValueError(f"--method {args.method} needs a drafter: give --draft-model DIR")
         return method
@@ -50,11 +51,11 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
         if args.block_size == 1:
             if args.draft_model:
                 raise ValueError("--block-size 1 is plain decoding: --draft-model would be unused")
-            return runtime.AR
+            return frontend.AR
         if draft_block is None:
             raise ValueError(f"--block-size {args.block_size} needs a drafter: give --draft-model DIR or "
                              f"--speculative-config (--model has no default drafter)")
-        return runtime.Method("dflash", draft_block if args.block_size is None else args.block_size)
+        return frontend.Method("dflash", draft_block if args.block_size is None else args.block_size)
     steps = spec.get("num_speculative_tokens")
     if spec["method"] == "ddtree":  # num_speculative_tokens: the tree's N nodes; its depth: the drafter's block - 1
         if args.block_size is not None:
@@ -64,7 +65,7 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
         if draft_block < 2:
             raise ValueError(f"--speculative-config: method 'ddtree' needs a drafter block >= 2, the drafter's is "
                              f"{draft_block}")
-        return runtime.Method("dflash", draft_block, tree=steps)
+        return frontend.Method("dflash", draft_block, tree=steps)
     if args.block_size is not None and steps is not None and args.block_size != steps + 1:
         raise ValueError(f"--block-size {args.block_size} disagrees with --speculative-config's "
                          f"num_speculative_tokens {steps} (block = drafts + 1 = {steps + 1})")
@@ -74,11 +75,11 @@ def method_from_flags(args, spec: dict | None, draft_block: int | None) -> runti
         steps = MTP_DEFAULT_STEPS if steps is None else steps
         if not 1 <= steps <= 15:
             raise ValueError(f"--speculative-config: MTP num_speculative_tokens must be in 1..15, got {steps}")
-        return runtime.Method("mtp", steps + 1)
+        return frontend.Method("mtp", steps + 1)
     block = draft_block if steps is None else steps + 1
     if block < 2:
         raise ValueError(f"--speculative-config: DFlash num_speculative_tokens must be >= 1, got {block - 1}")
-    return runtime.Method("dflash", block, dflash2=spec["method"] == "dflash2")
+    return frontend.Method("dflash", block, dflash2=spec["method"] == "dflash2")
 
 
 def parse_speculative_config(text: str) -> dict:
@@ -136,7 +137,7 @@ def read_prompts(args) -> list[str]:
         if args.prompt == "-":
             return [_utf8(sys.stdin.buffer.read().decode("utf-8", "surrogateescape"), "the prompt on stdin")]
         return [_utf8(args.prompt, "the prompt")]
-    return runtime.read_prompt_texts(args.prompts, "--prompts")
+    return workloads.read_prompt_texts(args.prompts, "--prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ class Request:
 
     model_dir: Path
     draft_dir: Path | None
-    method: runtime.Method
+    method: frontend.Method
     texts: list[str]
     sampling: SamplingConfig
     stop_ids: tuple[int, ...]
@@ -158,7 +159,7 @@ def asks_dflash2(args, spec: dict | None) -> bool:
     then the default drafter)."""
     if spec is not None:
         return spec.get("method") == "dflash2"
-    return bool(args.method) and runtime.wants_dflash2([runtime.parse_method(args.method, "--method")])
+    return bool(args.method) and frontend.wants_dflash2([frontend.parse_method(args.method, "--method")])
 
 
 def check_request(args) -> Request:
@@ -174,7 +175,7 @@ def check_request(args) -> Request:
         draft_flag = spec_model or args.draft_model
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
-    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
+    model_dir, draft_dir = frontend.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
     cfg, _ = read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
     draft_block = draft_cfg = None
     if draft_dir is not None:
@@ -184,12 +185,12 @@ def check_request(args) -> Request:
         draft_block = draft_cfg.block_size
     note = ""
     if spec is None and draft_dir is None and args.block_size is None and not args.method:  # nothing to draft with
-        if cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir):  # as vLLM: the model's own head
-            method = runtime.Method("mtp", MTP_DEFAULT_STEPS + 1)
+        if cfg.mtp_num_hidden_layers and frontend.checkpoint_has_mtp(model_dir):  # as vLLM: the model's own head
+            method = frontend.Method("mtp", MTP_DEFAULT_STEPS + 1)
             note = (f"no drafter given: {model_dir} has an MTP head, so it drafts ({method.name}); --block-size 1 "
                     "for plain decoding, --draft-model DIR for DFlash")
         else:
-            method = runtime.AR
+            method = frontend.AR
             note = "no drafter given: plain decoding (give --draft-model DIR for DFlash speculative decoding)"
     else:
         method = method_from_flags(args, spec, draft_block)
@@ -197,7 +198,7 @@ def check_request(args) -> Request:
         raise ValueError(f"{method.block - 1} drafts per step (block {method.block}) exceed the drafter's block "
                          f"size {draft_block} ({draft_dir})")
     if method.kind == "dflash":
-        runtime.check_generation([method], draft_cfg, draft_dir)
+        frontend.check_generation([method], draft_cfg, draft_dir)
     if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
         raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none "
                          f"(mtp_num_hidden_layers is 0)")
@@ -256,17 +257,17 @@ def _complete(args, req: Request, tokenizer, it) -> dict:
 def cmd_generate(args) -> int:
     mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints from here on
     req = check_request(args)
-    dtype = runtime.resolve_dtype(args.dtype, req.model_dir)
+    dtype = frontend.resolve_dtype(args.dtype, req.model_dir)
     # The tokenizer and the prompts first: a broken tokenizer or template is reported before weights are loaded.
-    tokenizer = runtime.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
-    prompts = [runtime.encode(tokenizer, t, args.chat_template) for t in req.texts]
+    tokenizer = frontend.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
+    prompts = [frontend.encode(tokenizer, t, args.chat_template) for t in req.texts]
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
-    target, drafter = runtime.load_models(req.model_dir, req.draft_dir, [req.method], dtype=runtime.DTYPES[dtype],
+    target, drafter = frontend.load_models(req.model_dir, req.draft_dir, [req.method], dtype=frontend.DTYPES[dtype],
                                           progress=not args.quiet, mesh=mesh,
                                           draft_window=getattr(args, "draft_window", None))
-    if req.method.kind == "mtp" and not runtime.has_mtp(target):
+    if req.method.kind == "mtp" and not frontend.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
     if req.note and not args.quiet:
         print(f"[{req.note}]", file=sys.stderr, flush=True)
@@ -282,12 +283,12 @@ def cmd_generate(args) -> int:
                                      max_new_tokens=args.max_new_tokens, sampling=req.sampling, seed=args.seed,
                                      mesh=mesh, progress=None if args.quiet else lambda m: print(
                                          f"[block size auto: {m}…]", file=sys.stderr, flush=True))
-        chosen = runtime.AR if choice.block == 1 else runtime.Method("dflash", choice.block)
+        chosen = frontend.AR if choice.block == 1 else frontend.Method("dflash", choice.block)
         req = dataclasses.replace(req, method=chosen)
         if not args.quiet:
             print(f"[{choice.reason()}]", file=sys.stderr, flush=True)
-    proposer, pparams = runtime.proposer_for(req.method, target, drafter)
-    kw = dict(drafter=None if req.method == runtime.AR else (proposer, pparams), block_size=req.method.block,
+    proposer, pparams = frontend.proposer_for(req.method, target, drafter)
+    kw = dict(drafter=None if req.method == frontend.AR else (proposer, pparams), block_size=req.method.block,
               max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
               mesh=mesh, tree_budget=req.method.tree)
     note = (lambda m: None) if args.quiet else (lambda m: print(f"[{m}]", file=sys.stderr, flush=True))
@@ -379,7 +380,7 @@ def add_parser(sub) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS ids")
     g.add_argument("--chat-template", choices=("auto", "on", "off"), default="auto",
                    help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
-    g.add_argument("--dtype", choices=("auto", *runtime.DTYPES, "float16"), default=None,
+    g.add_argument("--dtype", choices=("auto", *frontend.DTYPES, "float16"), default=None,
                    help="parameter dtype; auto: the checkpoint's torch_dtype (float16 ones run in bfloat16); float16 "
                         "itself is refused: Qwen3.5's activations overflow it (default: bfloat16 on GPU/TPU, float32 "
                         "on CPU)")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
+from dflash_jax import frontend
 from dflash_jax.cli import args as cli_args
-from dflash_jax.decoding import runtime
 from dflash_jax.perf import quant_report
 
 
@@ -24,10 +24,10 @@ def add_parser(sub) -> None:
     """Registers ``quant-report`` on the ``dflash-jax`` subcommands."""
     p = sub.add_parser("quant-report", help="MXFP4 against dense: weight bytes, logit error, tau, CPU tokens/s",
                        description=quant_report.__doc__.split("\n")[0])
-    p.add_argument("assets", nargs="?", default=str(runtime.ASSETS), help="directory with target/ and drafter/")
+    p.add_argument("assets", nargs="?", default=str(frontend.ASSETS), help="directory with target/ and drafter/")
     p.add_argument("--prompts", type=int, default=16, help="evaluation prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
-    p.add_argument("--dtype", choices=tuple(runtime.DTYPES), default="bfloat16", help="both targets' dtype")
+    p.add_argument("--dtype", choices=tuple(frontend.DTYPES), default="bfloat16", help="both targets' dtype")
     p.add_argument("--block", type=int, default=16, help="DFlash block size")
     p.add_argument("--repeats", type=int, default=3, help="timed, interleaved repeats; figures are medians")
     p.add_argument("--exclude", action="append", default=[], metavar="PATTERN",

@@ -2,7 +2,7 @@
 
 Checks the flags and the model configs before any weight loads (the method as ``generate`` chooses it:
 ``--method``, ``--speculative-config``, ``--draft-model``, ``--block-size``) and binds ``--host``/``--port`` (a
-port in use is refused before anything loads), loads the target and proposer through ``runtime.py``, chooses
+port in use is refused before anything loads), loads the target and proposer through ``frontend.py``, chooses
 the DFlash block by cost for ``--max-num-seqs`` rows as ``generate --block-size auto`` does (unless a block or
 a draft tree is given: auto weighs chains only), builds the engine (``serve/engine.py``) over
 ``--max-num-seqs`` slots of ``--max-model-len`` tokens, compiles its programs, and serves the app
@@ -19,10 +19,9 @@ import sys
 
 import jax
 
-from dflash_jax import parallel
+from dflash_jax import frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import DrafterConfig, read_target_config
-from dflash_jax.decoding import runtime
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -57,7 +56,7 @@ def _settings(args):
                          "--data-parallel-size, --expert-parallel-size); --distributed and its flags are not supported")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    model_dir, draft_dir = runtime.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
+    model_dir, draft_dir = frontend.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
     cfg, _ = read_target_config(model_dir)
     draft_block = None
     if draft_dir is not None:
@@ -65,8 +64,8 @@ def _settings(args):
     if spec is None and draft_dir is None and args.block_size is None and not args.method:  # nothing to draft with
         from dflash_jax.cli.generate import MTP_DEFAULT_STEPS
 
-        has_mtp = cfg.mtp_num_hidden_layers and runtime.checkpoint_has_mtp(model_dir)  # as generate (and vLLM)
-        method = runtime.Method("mtp", MTP_DEFAULT_STEPS + 1) if has_mtp else runtime.AR
+        has_mtp = cfg.mtp_num_hidden_layers and frontend.checkpoint_has_mtp(model_dir)  # as generate (and vLLM)
+        method = frontend.Method("mtp", MTP_DEFAULT_STEPS + 1) if has_mtp else frontend.AR
     else:
         method = method_from_flags(args, spec, draft_block)
     if method.kind == "dflash" and method.block > draft_block:
@@ -92,22 +91,22 @@ def build(args, mesh=None, settings=None):
     from dflash_jax.serve.engine import Engine, spec_for
 
     model_dir, draft_dir, method, max_len, cfg = settings or _settings(args)
-    dtype = args.dtype or runtime.default_dtype()
-    target, drafter = runtime.load_models(model_dir, draft_dir, [method], dtype=runtime.DTYPES[dtype],
+    dtype = args.dtype or frontend.default_dtype()
+    target, drafter = frontend.load_models(model_dir, draft_dir, [method], dtype=frontend.DTYPES[dtype],
                                           progress=False, mesh=mesh, draft_window=getattr(args, "draft_window", None))
-    if method.kind == "mtp" and not runtime.has_mtp(target):
+    if method.kind == "mtp" and not frontend.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {model_dir} has none")
-    tokenizer = runtime.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
+    tokenizer = frontend.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
     if method.kind == "dflash" and method.tree is None and _auto_block(args):
         block = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
-        method = runtime.AR if block == 1 else dataclasses.replace(method, block=block)
+        method = frontend.AR if block == 1 else dataclasses.replace(method, block=block)
     elif method.tree is not None:
         log.info("draft trees: %s, as given (--block-size auto weighs chains only); %d tokens verified per row and "
                  "step, depth <= %d", method.name, method.tree + 1, method.block - 1)
-    proposer, pparams = runtime.proposer_for(method, target, drafter)
+    proposer, pparams = frontend.proposer_for(method, target, drafter)
     loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len, method.tree), mesh)
     params = (target.params, pparams)
     if mesh is not None:
@@ -142,7 +141,7 @@ def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dty
     from dflash_jax.perf import step_cost
 
     budget = max(1, max_len // 2)  # the prompts' share of the context; the rest is the sized run's new tokens
-    prompts = [runtime.encode(tokenizer, t)[:budget] for t in SIZING_PROMPTS]
+    prompts = [frontend.encode(tokenizer, t)[:budget] for t in SIZING_PROMPTS]
     new_tokens = min(SIZING_NEW_TOKENS, max_len - max(len(p) for p in prompts))
     log.info("--block-size auto: timing blocks %s at %d rows (greedy, %d new tokens) ...",
              "/".join(map(str, _candidates(drafter))), args.max_num_seqs, new_tokens)
@@ -229,7 +228,7 @@ def add_parser(sub) -> None:
                    "Retry-After (default: 4 x --max-num-seqs)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", choices=tuple(runtime.DTYPES), default=None,
+    s.add_argument("--dtype", choices=tuple(frontend.DTYPES), default=None,
                    help="parameter dtype (default: bfloat16 on GPU/TPU, float32 on CPU)")
     s.add_argument("--no-warmup", action="store_true", help="compile each program at its first use instead of "
                    "before serving")

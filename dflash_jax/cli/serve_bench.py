@@ -10,8 +10,9 @@ import json
 import statistics
 import urllib.request
 
+from dflash_jax import frontend
 from dflash_jax.cli import args as cli_args
-from dflash_jax.decoding import runtime, workloads
+from dflash_jax.decoding import workloads
 from dflash_jax.io import atomic
 from dflash_jax.perf import serve_load
 
@@ -48,7 +49,7 @@ def cmd_serve_bench(args) -> int:
     if args.max_retries < 0:
         raise ValueError(f"--max-retries must be >= 0, got {args.max_retries}")
     servers = _servers(args.server)
-    tokenizer = runtime.load_tokenizer(args.tokenizer or runtime.ASSETS / "target", "--tokenizer")
+    tokenizer = frontend.load_tokenizer(args.tokenizer or frontend.ASSETS / "target", "--tokenizer")
     texts = [t for t in workloads.load_turns(args.workload, args.prompts, None)
              if len(tokenizer.encode(t, add_special_tokens=False)) <= args.max_prompt_tokens]
     if not texts:

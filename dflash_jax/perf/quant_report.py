@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax import frontend
 from dflash_jax.config import DEFAULT_EXCLUDE, QuantConfig
-from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import bucket_for, pad_prompts
 from dflash_jax.decoding.loop import SpecConfig
 from dflash_jax.models import quant, quark
@@ -68,9 +68,9 @@ def speed(targets: dict, drafter, prompts, *, block: int, max_new_tokens: int, r
                                   vocab_size=next(iter(targets.values())).cfg.vocab_size)
     runs = {}
     for name, target in targets.items():
-        for method in (runtime.AR, runtime.Method("dflash", block)):
+        for method in (frontend.AR, frontend.Method("dflash", block)):
             spec = SpecConfig(block_size=method.block, max_new_tokens=max_new_tokens, stop_ids=())
-            loop, params = bench.method_loop(target, *runtime.proposer_for(method, target, drafter), spec)
+            loop, params = bench.method_loop(target, *frontend.proposer_for(method, target, drafter), spec)
             runs[f"{name} {method.name}"] = functools.partial(bench._run_one, loop, params, [(tokens, lengths)], 0)
     timing = bench.measure(runs, 1, repeats)
     out = {}
@@ -99,7 +99,7 @@ def scale_rules(assets, *, n_prompts: int = 16) -> dict:
 def report(assets, *, n_prompts: int = 16, max_new_tokens: int = 128, dtype: str = "bfloat16", block: int = 16,
            repeats: int = 3, exclude: tuple[str, ...] = ()) -> dict:
     assets = Path(assets)
-    dt = runtime.DTYPES[dtype]
+    dt = frontend.DTYPES[dtype]
     dense = load_target(assets / "target", dt, progress=False)
     with tempfile.TemporaryDirectory() as tmp:
         quark.quantize_checkpoint(assets / "target", tmp, exclude=exclude, progress=False)

@@ -53,7 +53,7 @@ def fixed_tau(target, drafter, *, blocks=(4, 8, 16), tau: int = 10, prompt_len: 
     Returns {"ar_decode_tok_s", "blocks": [{block, tau, decode_tok_s, speedup {median,min,max},
     ceiling (roofline.measured_ceiling), compile_s, same_tokens}]}.
     """
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
     from dflash_jax.decoding.loop import SpecConfig
     from dflash_jax.perf import bench
 
@@ -61,12 +61,12 @@ def fixed_tau(target, drafter, *, blocks=(4, 8, 16), tau: int = 10, prompt_len: 
     tokens = jnp.asarray(rng.integers(2, target.cfg.vocab_size, (1, prompt_len)), jnp.int32)
     lengths = jnp.full((1,), prompt_len, jnp.int32)
     spec = lambda block: SpecConfig(block_size=block, max_new_tokens=max_new, stop_ids=())
-    ar, ar_params = bench.method_loop(target, *runtime.proposer_for(runtime.AR, target, None), spec(1))
+    ar, ar_params = bench.method_loop(target, *frontend.proposer_for(frontend.AR, target, None), spec(1))
     ar_tokens = ar.run(ar_params, tokens, lengths, 0).tokens
     runs = {"ar": functools.partial(bench._run_one, ar, ar_params, [(tokens, lengths)], 0)}
     for block in blocks:
-        method = runtime.Method("dflash", block)
-        loop, params = bench.method_loop(target, *runtime.proposer_for(method, target, drafter), spec(block),
+        method = frontend.Method("dflash", block)
+        loop, params = bench.method_loop(target, *frontend.proposer_for(method, target, drafter), spec(block),
                                          simulate=True)
         params = bench.with_oracle(params, ar_tokens, block, (tau - 1,))  # min(tau, block) - 1 accepted
         runs[block] = functools.partial(bench._run_one, loop, params, [(tokens, lengths)], 0)

@@ -29,7 +29,7 @@ import numpy as np
 
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import DFlashProposer
-from dflash_jax.decoding.runtime import ASSETS
+from dflash_jax.frontend import ASSETS
 from dflash_jax.kernels.attention import prefill_keys_scored
 from dflash_jax.perf import roofline, synthetic
 

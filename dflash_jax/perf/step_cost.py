@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding import blocksize, runtime
+from dflash_jax import frontend
+from dflash_jax.decoding import blocksize
 from dflash_jax.decoding.api import bucket_for, pad_prompts
 from dflash_jax.decoding.loop import SpecConfig
 from dflash_jax.decoding.sampling import SamplingConfig
@@ -89,9 +90,9 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
                                   vocab_size=target.cfg.vocab_size)
     programs = {}
     for block in blocks:
-        method = runtime.AR if block == 1 else runtime.Method("dflash", block)
+        method = frontend.AR if block == 1 else frontend.Method("dflash", block)
         spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=())
-        loop, params = method_loop(target, *runtime.proposer_for(method, target, drafter), spec, mesh)
+        loop, params = method_loop(target, *frontend.proposer_for(method, target, drafter), spec, mesh)
         programs[block] = (loop, params)
     compiled = set()
 

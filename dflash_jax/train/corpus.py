@@ -109,7 +109,7 @@ def user_texts(path: str | Path, flag: str = "--corpus") -> list[str]:
     ``{"text": ...}`` object per line (a ``"prompt"`` string is taken too). Errors name ``flag`` and the file."""
     import sys
 
-    from dflash_jax.decoding.runtime import read_jsonl
+    from dflash_jax.decoding.workloads import read_jsonl
 
     path = Path(path)
     if path.is_dir():

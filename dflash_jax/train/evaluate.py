@@ -12,7 +12,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding import runtime, workloads
+from dflash_jax import frontend
+from dflash_jax.decoding import workloads
 from dflash_jax.decoding.api import generate
 from dflash_jax.models.drafter import load_drafter
 from dflash_jax.models.target import load_target
@@ -38,8 +39,8 @@ def acceptance_table(assets: str | Path, *, n_prompts: int = 16, max_new_tokens:
     source, prompts = eval_prompts(tk.load(assets / "target"), n_prompts)
     table = {"prompts": source, "max_new_tokens": max_new_tokens, "dflash": {}, "mtp": {}}
     for name in ("dflash:4", "dflash:8", "dflash:16", "mtp:3", "mtp:7", "mtp:15"):
-        method = runtime.parse_method(name)
-        out = generate(target, prompts, drafter=runtime.proposer_for(method, target, drafter),
+        method = frontend.parse_method(name)
+        out = generate(target, prompts, drafter=frontend.proposer_for(method, target, drafter),
                        block_size=method.block, max_new_tokens=max_new_tokens, stop_ids=())
         depth = method.block if method.kind == "dflash" else method.block - 1  # block size / MTP steps
         table[method.kind][depth] = float(np.mean(np.asarray(out.tau)))

@@ -12,11 +12,10 @@ import sys
 
 import pytest
 
-from dflash_jax import cli
+from dflash_jax import cli, frontend
 from dflash_jax.cli import generate as cli_generate
-from dflash_jax.decoding import runtime
 
-ASSETS = runtime.ASSETS
+ASSETS = frontend.ASSETS
 shipped = pytest.mark.skipif(not (ASSETS / "target" / "config.json").is_file() or
                              not (ASSETS / "drafter" / "config.json").is_file(), reason="shipped models absent")
 
@@ -156,12 +155,12 @@ def test_settings_that_disagree_or_go_unused_are_refused(capsys, argv, match):
     (None, None, {"method": "dflash", "model": "d"}, 16, "dflash:16"),
 ])
 def test_method_from_flags(block_size, draft_model, spec, draft_block, name):
-    """generate's flags -> the method (``runtime.parse_method`` reads method strings; the names differ on purpose)."""
+    """generate's flags -> the method (``frontend.parse_method`` reads method strings; the names differ on purpose)."""
     import argparse
 
     args = argparse.Namespace(block_size=block_size, draft_model=draft_model)
     assert cli_generate.method_from_flags(args, spec, draft_block).name == name
-    assert runtime.parse_method(name) == cli_generate.method_from_flags(args, spec, draft_block)
+    assert frontend.parse_method(name) == cli_generate.method_from_flags(args, spec, draft_block)
 
 
 class _Counting:

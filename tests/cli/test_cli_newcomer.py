@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
-from dflash_jax import cli
-from dflash_jax.decoding import runtime
+from dflash_jax import cli, frontend
+from dflash_jax.decoding import workloads
 from dflash_jax.models.target import init_target
 from dflash_jax.train import lm
 
@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 
     lm.save_target(path, init_target(dataclasses.replace(cfg, max_position_embeddings=64), seed=1))
     for name in TOKENIZER_FILES:
-        shutil.copy(runtime.ASSETS / "target" / name, path / name)
+        shutil.copy(frontend.ASSETS / "target" / name, path / name)
     return path
 
 
@@ -61,7 +61,7 @@ def test_model_without_a_drafter_decodes_plainly_and_says_so(tiny, capsys):
 
 
 def test_model_with_an_mtp_head_drafts_with_it(capsys):
-    from dflash_jax.decoding.runtime import ASSETS
+    from dflash_jax.frontend import ASSETS
 
     doc, err = _run(capsys, ["generate", "def f(x):", "--model", str(ASSETS / "target"), *FAST, "--json"])
     assert doc["method"] == "mtp:3" and "has an MTP head, so it drafts (mtp:3)" in err
@@ -77,7 +77,7 @@ def test_hub_ids_are_explained_or_found_in_the_cache(tiny, tmp_path, capsys, mon
     shutil.copytree(tiny, repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
-    assert runtime.model_dir("me/tiny", "--model") == repo / "snapshots" / "abc123"
+    assert frontend.model_dir("me/tiny", "--model") == repo / "snapshots" / "abc123"
     doc, _ = _run(capsys, ["generate", "x", "--model", "me/tiny", *FAST, "--json", "--quiet"])
     assert doc["model"] == str(repo / "snapshots" / "abc123")
 
@@ -88,7 +88,7 @@ def test_a_file_as_model_and_dtype_choices(tiny, capsys):
         in err
     err = _error(capsys, ["generate", "x", "--model", str(tiny), "--dtype", "float16"])
     assert "--dtype float16 is not supported: Qwen3.5's activations exceed float16's range" in err
-    assert runtime.resolve_dtype("auto", tiny) == "float32"  # the checkpoint's torch_dtype
+    assert frontend.resolve_dtype("auto", tiny) == "float32"  # the checkpoint's torch_dtype
     doc, _ = _run(capsys, ["generate", "x", "--model", str(tiny), "--dtype", "auto", *FAST, "--json", "--quiet"])
     assert doc["dtype"] == "float32"
 
@@ -98,7 +98,7 @@ def test_prompts_from_a_fifo_and_with_a_bom(tmp_path):
     os.mkfifo(fifo)
     writer = threading.Thread(target=lambda: fifo.write_bytes(b'\xef\xbb\xbf{"prompt": "a"}\n{"prompt": "b"}\n'))
     writer.start()
-    assert runtime.read_prompt_texts(str(fifo), "--prompts") == ["a", "b"]
+    assert workloads.read_prompt_texts(str(fifo), "--prompts") == ["a", "b"]
     writer.join(timeout=10)
 
 
@@ -109,7 +109,7 @@ def test_position_warning_uses_real_lengths_and_comes_before_the_stream(tiny, ca
     from dflash_jax.cli import generate as gen_cli
 
     prompt = "x " * 10
-    assert 16 < len(runtime.encode(runtime.load_tokenizer(tiny), prompt, "off")) <= 24  # bucket 32
+    assert 16 < len(frontend.encode(frontend.load_tokenizer(tiny), prompt, "off")) <= 24  # bucket 32
     _, err = _run(capsys, ["generate", prompt, "--model", str(tiny), *FAST[2:], "--max-new-tokens", "40", "--quiet"])
     assert "max_position_embeddings" not in err
     seen = []

@@ -89,7 +89,7 @@ def test_the_position_warning_uses_real_lengths_not_the_bucket(target):
 
 def test_a_draft_tree_with_a_dflash2_drafter_is_refused():
     """A tree would silently leave out the selector: refused before tracing, the Drafter and the pair alike."""
-    from dflash_jax.decoding.runtime import ASSETS, parse_method, proposer_for
+    from dflash_jax.frontend import ASSETS, parse_method, proposer_for
     from dflash_jax.models.drafter import load_drafter
     from dflash_jax.models.target import load_target
 

@@ -437,15 +437,15 @@ def test_sampled_tree_decoding_has_the_exact_distribution(monkeypatch):
 
 
 def test_ddtree_method_names():
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
 
-    m = runtime.parse_method("ddtree:64", "--method")
+    m = frontend.parse_method("ddtree:64", "--method")
     assert (m.kind, m.block, m.tree, m.name) == ("dflash", 16, 64, "ddtree:64")
-    m = runtime.parse_method("ddtree:8:4")
+    m = frontend.parse_method("ddtree:8:4")
     assert (m.block, m.tree, m.name) == (4, 8, "ddtree:8:4")
     for bad in ("ddtree:", "ddtree:0", "ddtree:x", "ddtree:4:1", "ddtree:1:2:3"):
         with pytest.raises(ValueError, match="--method"):
-            runtime.parse_method(bad, "--method")
+            frontend.parse_method(bad, "--method")
 
 
 def test_generate_and_stream_take_a_tree_budget(target):

@@ -182,7 +182,7 @@ def test_exports_write_each_file_whole(tmp_path):
     bytes are the ones ``Tokenizer.save`` writes."""
     from tokenizers import Tokenizer
 
-    from dflash_jax.decoding.runtime import ASSETS
+    from dflash_jax.frontend import ASSETS
     from dflash_jax.train.tokenizer import save_hf
 
     tok = Tokenizer.from_file(str(ASSETS / "target" / "tokenizer.json"))

@@ -394,19 +394,19 @@ def test_the_exact_distribution_test_rejects_a_wrong_q(monkeypatch):
 # ---- the method name ----
 
 def test_dflash2_method_names_and_generation_checks():
+    from dflash_jax import frontend
     from dflash_jax.cli.generate import parse_speculative_config
-    from dflash_jax.decoding import runtime
 
-    method = runtime.parse_method("dflash2:8")
+    method = frontend.parse_method("dflash2:8")
     assert (method.kind, method.block, method.name) == ("dflash", 8, "dflash2:8")
-    assert runtime.parse_method("dflash:8").name == "dflash:8" and runtime.parse_method("dflash:8") != method
+    assert frontend.parse_method("dflash:8").name == "dflash:8" and frontend.parse_method("dflash:8") != method
     with pytest.raises(ValueError, match=r"--methods: 'dflash2:1': DFlash block B must be >= 2"):
-        runtime.parse_method("dflash2:1")
+        frontend.parse_method("dflash2:1")
     two, one = drafter_config("dflash2"), drafter_config("dflash")
-    runtime.check_generation([method, runtime.parse_method("dflash:4")], two, "DIR")  # either name runs DFlash2
-    runtime.check_generation([runtime.parse_method("dflash:4")], one, "DIR")
+    frontend.check_generation([method, frontend.parse_method("dflash:4")], two, "DIR")  # either name runs DFlash2
+    frontend.check_generation([frontend.parse_method("dflash:4")], one, "DIR")
     with pytest.raises(ValueError, match=r"dflash2:8: the drafter DIR is a DFlash drafter, not a DFlash2 one"):
-        runtime.check_generation([method], one, "DIR")
+        frontend.check_generation([method], one, "DIR")
     assert parse_speculative_config('{"method": "dflash2", "model": "d"}')["method"] == "dflash2"
     with pytest.raises(ValueError, match='method "dflash2" needs "model"'):
         parse_speculative_config('{"method": "dflash2"}')

@@ -316,26 +316,26 @@ def test_load_checks_fit_before_reading_weights(tmp_path, target):
 
 
 def test_draft_window_flag_reaches_the_drafter():
-    """``--draft-window`` as generate / bench / serve pass it (``runtime.load_models``) on the shipped pair: the
+    """``--draft-window`` as generate / bench / serve pass it (``frontend.load_models``) on the shipped pair: the
     drafter's layers see at most N context positions; below its block size a one-line error names the flag."""
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
 
-    dirs, method = (runtime.ASSETS / "target", runtime.ASSETS / "drafter"), [runtime.Method("dflash", 16)]
-    _, drafter = runtime.load_models(*dirs, method, dtype=jnp.float32, progress=False, draft_window=64)
+    dirs, method = (frontend.ASSETS / "target", frontend.ASSETS / "drafter"), [frontend.Method("dflash", 16)]
+    _, drafter = frontend.load_models(*dirs, method, dtype=jnp.float32, progress=False, draft_window=64)
     assert drafter.cfg.draft_window == 64 and drafter.module().layers[0].context == 64
     with pytest.raises(ValueError, match="--draft-window 8: must be >= the drafter's block size 16"):
-        runtime.load_models(*dirs, method, dtype=jnp.float32, progress=False, draft_window=8)
+        frontend.load_models(*dirs, method, dtype=jnp.float32, progress=False, draft_window=8)
 
 
 @pytest.mark.slow
 def test_greedy_decoding_with_a_draft_window_equals_plain_decoding():
     """The shipped pair, a 300-token prompt, --draft-window 16 (the block: the drafter sees almost no context):
     drafts change, the tokens do not."""
-    from dflash_jax.decoding import runtime
+    from dflash_jax import frontend
     from dflash_jax.decoding.api import generate
 
-    dirs = (runtime.ASSETS / "target", runtime.ASSETS / "drafter")
-    target, full = runtime.load_models(*dirs, [runtime.Method("dflash", 16)], dtype=jnp.float32, progress=False)
+    dirs = (frontend.ASSETS / "target", frontend.ASSETS / "drafter")
+    target, full = frontend.load_models(*dirs, [frontend.Method("dflash", 16)], dtype=jnp.float32, progress=False)
     bounded = load_drafter(dirs[1], target, window=16, progress=False)
     prompt = [list(np.random.default_rng(0).integers(2, 512, 300))]
     plain = generate(target, prompt, max_new_tokens=48, stop_ids=())

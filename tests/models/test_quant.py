@@ -524,7 +524,7 @@ def test_cli_quantize_then_generate(tmp_path, capsys):
     """``dflash-jax quantize`` writes the Quark layout; ``generate --model`` on it decodes exactly as the
     quantized target loaded from Python does."""
     from dflash_jax import cli
-    from dflash_jax.decoding.runtime import ASSETS, encode, load_tokenizer
+    from dflash_jax.frontend import ASSETS, encode, load_tokenizer
 
     cfg = TargetConfig(**{**_COMMON, "vocab_size": 4096}, intermediate_size=64)  # the shipped tokenizer's vocab
     _write_dense(init_target(cfg, dtype=jnp.float32, seed=8), tmp_path / "src")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from hf_oracle import tiny_drafter_config
 
+from dflash_jax import frontend
 from dflash_jax.cli import main
-from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import pad_prompts
 from dflash_jax.decoding.loop import SpecConfig, SpeculativeLoop
 from dflash_jax.decoding.proposers import NoProposer
@@ -101,7 +101,7 @@ def test_methods_parse():
     got = bench.parse_methods("mtp:3,dflash:16,ar")
     assert [(m.name, m.block) for m in got] == [("ar", 1), ("mtp:3", 4), ("dflash:16", 16)]
     got = bench.parse_methods("dflash:auto,hf:ar,zlab:16")
-    assert got == [runtime.AR, bench.AUTO, peers.Peer("hf", 1), peers.Peer("zlab", 16)]
+    assert got == [frontend.AR, bench.AUTO, peers.Peer("hf", 1), peers.Peer("zlab", 16)]
     with pytest.raises(ValueError, match="listed twice"):
         bench.parse_methods("dflash:auto,dflash:auto")
 
@@ -237,7 +237,7 @@ def test_identical_work_is_timed_through_one_compiled_program(hf_dense, monkeypa
     loops, real = [], bench.timed_run
     monkeypatch.setattr(bench, "timed_run", lambda loop, *a, **k: (loops.append(loop), real(loop, *a, **k))[1])
     before = SpeculativeLoop.decode._cache_size()
-    c = bench.compare(target, NoProposer(), (), runtime.AR, [[3, 4, 5]], max_new_tokens=4, sampling=SamplingConfig(),
+    c = bench.compare(target, NoProposer(), (), frontend.AR, [[3, 4, 5]], max_new_tokens=4, sampling=SamplingConfig(),
                       stop_ids=(), seed=0, repeats=3, drafter_cfg=None, dtype="float32")
     # per method a first + a warm run, then one timed run per repeat; an untimed run precedes a timed one
     # where the previous run was the other method's (order A B | B A | A B: 2 + 1 + 1 untimed runs)
@@ -277,7 +277,7 @@ def test_a_busy_machine_is_said(monkeypatch):
 
 @pytest.mark.slow
 def test_random_config_benches_models_made_from_configs_alone(tmp_path, capsys):
-    target_cfg, drafter_cfg = runtime.ASSETS / "target" / "config.json", runtime.ASSETS / "drafter" / "config.json"
+    target_cfg, drafter_cfg = frontend.ASSETS / "target" / "config.json", frontend.ASSETS / "drafter" / "config.json"
     out = tmp_path / "r"
     assert main(["bench", "--random-config", f"{target_cfg},{drafter_cfg}", "--methods", "ar,dflash:4",
                  "--simulate-acceptance", "3", "--max-new-tokens", "9", "--num-prompts", "1", "--random-prompt-len",
@@ -297,7 +297,7 @@ def test_random_config_benches_models_made_from_configs_alone(tmp_path, capsys):
     (["--random-prompt-len", "0"], "--random-prompt-len must be >= 1"),
 ])
 def test_random_config_errors(tmp_path, capsys, extra, match):
-    argv = ["bench", "--random-config", str(runtime.ASSETS / "target" / "config.json"), "--out", str(tmp_path),
+    argv = ["bench", "--random-config", str(frontend.ASSETS / "target" / "config.json"), "--out", str(tmp_path),
             "--quiet", *extra]
     assert main(argv) == 2
     assert match in capsys.readouterr().err
@@ -338,7 +338,7 @@ def tiny_dflash(tiny_pair):
     """(loop, params, tokens, lengths): DFlash block 4 on two prompts, as the bench builds it."""
     target, drafter = tiny_pair
     spec = SpecConfig(block_size=4, max_new_tokens=8, stop_ids=())
-    loop, params = bench.method_loop(target, *runtime.proposer_for(runtime.Method("dflash", 4), target, drafter),
+    loop, params = bench.method_loop(target, *frontend.proposer_for(frontend.Method("dflash", 4), target, drafter),
                                      spec)
     return (loop, params, *pad_prompts([[5, 6, 7], [8, 9]], 8, vocab_size=target.cfg.vocab_size))
 

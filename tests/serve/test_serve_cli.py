@@ -16,9 +16,9 @@ import httpx
 import pytest
 from serve_fixtures import free_port
 
+from dflash_jax import frontend
 from dflash_jax.cli import build_parser, main
 from dflash_jax.cli import serve as cli_serve
-from dflash_jax.decoding import runtime
 
 START_TIMEOUT_S = 600  # import, load and first compiles on a busy 2-core machine
 TIMEOUT_S = 300
@@ -42,7 +42,7 @@ def test_a_port_in_use_is_refused_before_the_models_load(monkeypatch, capsys):
     def load(*a, **k):
         raise AssertionError("the models loaded")
 
-    monkeypatch.setattr(runtime, "load_models", load)
+    monkeypatch.setattr(frontend, "load_models", load)
     with socket.socket() as other:  # another server on the port
         other.bind(("127.0.0.1", 0))
         other.listen()

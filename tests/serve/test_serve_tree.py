@@ -14,10 +14,10 @@ import openai
 import pytest
 from serve_fixtures import running
 
+from dflash_jax import frontend
 from dflash_jax.cli import build_parser
 from dflash_jax.cli import generate as cli_generate
 from dflash_jax.cli import serve as cli_serve
-from dflash_jax.decoding import runtime
 from dflash_jax.decoding.api import bucket_for, generate
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.serve.engine import Engine, spec_for
@@ -38,7 +38,7 @@ def test_the_flags_name_a_tree_and_the_slots_hold_its_verify():
     """``--method ddtree:N`` and ``--speculative-config`` method "ddtree" (num_speculative_tokens: the budget, the
     drafter's block) read as the same tree before any weight loads; neither is re-chosen by ``--block-size auto``;
     the engine's cache holds max(block, N + 1) verify tokens past the context. Bad combinations name the flag."""
-    drafter = str(runtime.ASSETS / "drafter")
+    drafter = str(frontend.ASSETS / "drafter")
     _, _, method, max_len, _ = cli_serve._settings(_args("--method", "ddtree:32", "--max-model-len", "64"))
     assert (method.name, method.block, method.tree, max_len) == ("ddtree:32", 16, 32, 64)
     config = json.dumps({"method": "ddtree", "model": drafter, "num_speculative_tokens": 32})
@@ -97,7 +97,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def target():
-    return runtime.load_models(runtime.ASSETS / "target", None, [runtime.AR], dtype=np.float32, progress=False)[0]
+    return frontend.load_models(frontend.ASSETS / "target", None, [frontend.AR], dtype=np.float32, progress=False)[0]
 
 
 def _together(calls):
@@ -121,7 +121,7 @@ def test_greedy_trees_under_continuous_batching_equal_plain_decoding(server, cli
     """Six requests of different lengths on three slots (queued, slots reused, rows at different positions):
     each completion is plain decoding's text, and its meta_info counts the tree's N drafts per verify step."""
     tok = server.served.tokenizer
-    prompts = [runtime.encode(tok, t) for t in TEXTS]
+    prompts = [frontend.encode(tok, t) for t in TEXTS]
     rng = random.Random(0)
     budgets = [rng.randint(8, MAX_LEN - 16) for _ in prompts]
     asks = [lambda p=p, n=n: client.completions.create(
@@ -149,9 +149,9 @@ def test_seeded_sampling_through_the_server_equals_generate_with_the_same_tree(s
     """A sampled request (temperature 0.8, top-k 40, seed 1234) served beside greedy and other sampled requests
     emits the library's ``generate`` tokens with the same tree budget and seed; another seed differs."""
     tok = server.served.tokenizer
-    prompt = runtime.encode(tok, TEXTS[1])
+    prompt = frontend.encode(tok, TEXTS[1])
     kw = dict(model="tree", max_tokens=40, temperature=0.8, extra_body={"ignore_eos": True, "top_k": 40})
-    other_prompts = [runtime.encode(tok, t) for t in TEXTS[2:5]]
+    other_prompts = [frontend.encode(tok, t) for t in TEXTS[2:5]]
     others = [lambda p=p, s=s: client.completions.create(
         model="tree", prompt=p, max_tokens=30, temperature=1.0 if s % 2 else 0, seed=s,
         extra_body={"ignore_eos": True}) for s, p in enumerate(other_prompts)]
