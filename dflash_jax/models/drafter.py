@@ -285,6 +285,16 @@ def check_fits(cfg: DrafterConfig, target_cfg: TargetConfig) -> None:
     if bad:
         problems.append(f"drafter target_layer_ids {list(cfg.target_layer_ids)} include {bad}, outside the "
                         f"target's layers 0..{target_cfg.num_hidden_layers - 1}")
+    # z-lab's num_target_layers is the depth of the target the drafter was trained on: its taps (and their default,
+    # ``default_target_layer_ids``) index that target's layers, the last one read final-normed. On a target of
+    # another depth the same ids tap other depths (layer 3 of 4 is the final-normed state, of 8 a middle layer):
+    # decoding stays exact, but the drafter reads features it never saw and its drafts are rejected.
+    if cfg.num_target_layers != target_cfg.num_hidden_layers:
+        problems.append(f"drafter num_target_layers {cfg.num_target_layers} != target num_hidden_layers "
+                        f"{target_cfg.num_hidden_layers}: the drafter was trained on a target of "
+                        f"{cfg.num_target_layers} layers and its target_layer_ids {list(cfg.target_layer_ids)} "
+                        f"index that target's layers (if it was trained on this target, set num_target_layers to "
+                        f"{target_cfg.num_hidden_layers} in its config.json)")
     if problems:
         raise ConfigError("drafter does not fit the target:\n  " + "\n  ".join(problems))
 

@@ -179,3 +179,28 @@ def test_a_drafter_layer_count_the_checkpoint_does_not_hold_fails_fast(dense, tm
     with watchdog(60), pytest.raises(CheckpointError, match="num_hidden_layers=500, but the checkpoint holds tensors "
                                                             "of 1 decoder layers"):
         load_drafter(tmp_path / "d", target, progress=False)
+
+
+def test_a_drafter_trained_on_a_target_of_another_depth_is_refused(dense, tmp_path):
+    """z-lab's num_target_layers is the depth of the target the drafter was trained on (its taps index that
+    target's layers): a drafter saying 8 is refused on the 4-layer target, by ``load_drafter`` and by the
+    command line's loader, with the field and both numbers, before its weights are read."""
+    import dataclasses
+
+    from dflash_jax import frontend
+    from dflash_jax.models.drafter import init_drafter, load_drafter, save_drafter
+    from dflash_jax.train.drafter import drafter_config
+
+    path, target = dense
+    cfg = drafter_config(target.cfg, num_layers=1, taps=(1, 2, 3), mask_token_id=1, block_size=4, heads=2, kv_heads=1,
+                         head_dim=16, intermediate=32)
+    save_drafter(tmp_path / "ok", init_drafter(cfg))
+    assert load_drafter(tmp_path / "ok", target, progress=False).cfg.num_target_layers == 4
+    save_drafter(tmp_path / "d", init_drafter(dataclasses.replace(cfg, num_target_layers=8)))
+    (tmp_path / "d" / "model.safetensors").write_bytes(b"")  # never read
+    message = r"drafter num_target_layers 8 != target num_hidden_layers 4: the drafter was trained on a target of 8 "
+    with pytest.raises(ConfigError, match=message):
+        load_drafter(tmp_path / "d", target, progress=False)
+    with pytest.raises(ConfigError, match=message):
+        frontend.load_models(path, tmp_path / "d", [frontend.parse_method("dflash:4")], dtype=jnp.float32,
+                             progress=False)
