@@ -16,8 +16,10 @@ PACKAGE = ROOT / "dflash_jax"
 KERNELS = ROOT / "kernels"
 
 # Each layer may import only the layers before it (and itself); kernels is a leaf library anyone may use.
-# ``frontend`` (model folders, tokenizer, methods) sits above decoding/ and below everything that faces a user.
-LAYERS = ("config", "io", "parallel", "models", "decoding", "frontend", "train", "perf", "serve", "cli")
+# ``frontend`` (model folders, tokenizer, methods) sits above decoding/ and below everything that faces a user;
+# ``compile_cache`` (JAX's persistent cache, for the commands that compile) imports no other layer.
+LAYERS = ("config", "io", "parallel", "models", "decoding", "compile_cache", "frontend", "train", "perf", "serve",
+          "cli")
 CORE = ("config", "io", "parallel", "models", "decoding")
 
 

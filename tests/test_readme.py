@@ -42,3 +42,21 @@ def test_from_python_example_runs_as_written(capsys):
     jitted = [row[:16] for row in scope["out"].token_lists()]
     short = generate(target, prompts, max_new_tokens=16, stop_ids=()).token_lists()
     assert all(j == s[:len(j)] for j, s in zip(jitted, short, strict=True))
+
+
+def test_the_docs_name_commands_as_they_are_now():
+    """Every ``dflash-jax COMMAND`` in README, BUILD.md, docs/ and the model card is a command of today's grouping
+    (``report quant``, ``train drafter``), not a flat name of the previous release."""
+    from dflash_jax import cli
+
+    root = README.parent
+    stale = []
+    for path in [README, root / "BUILD.md", *sorted((root / "docs").glob("*.md")), ASSETS / "MODEL_CARD.md"]:
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            for match in re.finditer(r"dflash-jax ([a-z][\w-]*)(?: ([a-z][\w-]*))?", line):
+                command, member = match.groups()
+                ok = command in cli.COMMANDS and (command not in cli.GROUPS or member in cli.GROUPS[command]
+                                                  or member is None)
+                if not ok:
+                    stale.append(f"{path.name}:{line_no}: {match.group(0)}")
+    assert not stale, "\n".join(stale)

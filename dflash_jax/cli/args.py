@@ -4,7 +4,7 @@
 Every subcommand's parser is a ``Parser`` (each option's default on its help line); ``add_mesh_arguments`` and
 ``mesh_from_args`` turn vLLM-style parallel sizes and JAX's process flags into a device mesh
 (``dflash_jax.parallel.make_mesh``); ``run`` checks a parsed command's outputs and turns a bad input into one
-error line, and ``script`` runs one subcommand as ``python -m dflash_jax.cli.<module>``.
+error line.
 """
 
 from __future__ import annotations
@@ -13,15 +13,13 @@ import argparse
 import os
 import sys
 from importlib import metadata
+from typing import TYPE_CHECKING
 
-import jax
-from jax.sharding import Mesh
-
-from dflash_jax.config import ConfigError
 from dflash_jax.decoding.runtime import use_tpu_xla_flags
 from dflash_jax.io import atomic
-from dflash_jax.io.checkpoint import CheckpointError
-from dflash_jax.parallel import make_mesh
+
+if TYPE_CHECKING:  # JAX is imported where a command runs, not to build the parser (``dflash-jax --help``)
+    from jax.sharding import Mesh
 
 SEED_MAX = 2**31 - 1  # seeds become int32 keys
 
@@ -55,6 +53,13 @@ class _Formatter(argparse.HelpFormatter):
         if "%(default)" in text or "default:" in text or _no_default(action.default):
             return text
         return f"{text} (default: %(default)s)".lstrip()
+
+    def add_argument(self, action):
+        super().add_argument(action)
+        subcommands = [] if action.help == argparse.SUPPRESS else list(self._iter_indented_subactions(action))
+        if subcommands:  # argparse measures a subcommand's name without its indent: one line each, help aligned
+            self._action_max_length = max(self._action_max_length, self._current_indent + self._indent_increment
+                                          + max(len(self._format_action_invocation(a)) for a in subcommands))
 
 
 class Parser(argparse.ArgumentParser):
@@ -138,6 +143,10 @@ def mesh_from_args(args) -> Mesh | None:
     The sizes' product must equal the global device count (every process's devices); a clear error
     names the flags otherwise. Call before any other JAX work (``jax.distributed.initialize``'s rule).
     """
+    import jax
+
+    from dflash_jax.parallel import make_mesh
+
     sizes = {flag: getattr(args, flag.replace("-", "_"))
              for flag in ("data-parallel-size", "tensor-parallel-size", "expert-parallel-size")}
     for flag, value in sizes.items():
@@ -232,6 +241,9 @@ def _release_claims(args) -> None:
 
 def run(args) -> int:
     """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
+    from dflash_jax.config import ConfigError
+    from dflash_jax.io.checkpoint import CheckpointError
+
     quiet_libtpu()
     use_tpu_xla_flags()
     try:
@@ -258,13 +270,3 @@ def run(args) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130)
-
-
-def script(add_parser) -> None:
-    """``python -m dflash_jax.cli.<module>``: the module's one subcommand on this process's arguments, run as
-    ``dflash-jax <command>`` runs it (the other subcommands are not loaded); exits with its status."""
-    parser = Parser(prog="dflash-jax")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    (command,) = sub.choices
-    sys.exit(run(parser.parse_args([command, *sys.argv[1:]])))

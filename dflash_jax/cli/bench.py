@@ -154,7 +154,7 @@ def cmd_bench(args) -> int:
 
 def add_parser(sub) -> None:
     """Registers ``bench`` on the ``dflash-jax`` subcommands."""
-    b = sub.add_parser("bench", help="tau, tokens/s and speed-up of ar / MTP / DFlash on the report's workloads")
+    b = sub.add_parser("bench")
     b.add_argument("--workload", default="humaneval", help=f"comma-separated, of {', '.join(WORKLOADS)}")
     b.add_argument("--methods", default=f"ar,mtp:3,mtp:7,mtp:15,dflash:4,dflash:8,dflash:16,{AUTO}",
                    help="comma-separated ar, mtp:K (K drafts, block K+1), dflash:B (block B; dflash2:B "

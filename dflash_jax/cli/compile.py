@@ -113,8 +113,7 @@ def _programs(text: str) -> tuple[str, ...]:
 
 def add_parser(sub) -> None:
     """Registers ``compile`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("compile", help="compile the loop's programs for a TPU or GPU on this host; memory and cost",
-                       description=__doc__.split("\n\n")[0])
+    p = sub.add_parser("compile", description=__doc__.split("\n\n")[0])
     p.add_argument("--platform", choices=("tpu", "cuda"), default="tpu",
                    help="tpu: libtpu's compiler (pip install 'jax[tpu]==0.10.2'); cuda: XLA's GPU compiler "
                         "(the CUDA plugin alone: pip install --no-deps jax-cuda12-plugin==0.10.2 "
@@ -158,4 +157,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -346,7 +346,7 @@ def auto_block(args) -> bool:
 
 def add_parser(sub) -> None:
     """Registers ``generate`` on the ``dflash-jax`` subcommands."""
-    g = sub.add_parser("generate", help="stream completions, then time them against plain decoding")
+    g = sub.add_parser("generate")
     g.add_argument("prompt", nargs="?", help="the prompt text; '-' reads it from stdin")
     g.add_argument("--prompts", metavar="FILE.jsonl", help='one JSON object per line with "prompt" (or "turns": '
                    "[first user turn, ...]); '-' reads them from stdin")

@@ -1,4 +1,4 @@
-"""``dflash-jax gpu-check --out DIR``: the one command for the first GPU (kernel tests, kernels against their
+"""``dflash-jax report gpu-check --out DIR``: the one command for the first GPU (kernel tests, kernels against their
 references and HBM peak, verify/decode step time, DFlash at a fixed tau; ``dflash_jax.perf.gpu_check``), results
 in ``DIR/gpu_check.json`` and on stdout. ``--smoke`` runs it at tiny shapes on any backend; without it a CPU is
 refused (exit 2)."""
@@ -10,7 +10,6 @@ import sys
 
 import jax
 
-from dflash_jax.cli import args as cli_args
 from dflash_jax.perf import gpu_check
 
 
@@ -30,9 +29,8 @@ def cmd_gpu_check(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``gpu-check`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("gpu-check", help="the first-GPU check: kernel tests, kernels, step times, DFlash at tau 10",
-                       description=gpu_check.__doc__.split("\n")[0])
+    """Registers ``report gpu-check`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("gpu-check", description=gpu_check.__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for gpu_check.json")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on any backend (tests the check itself)")
     p.add_argument("--parts", default=",".join(gpu_check.PARTS), help="comma-separated parts to run, in order")
@@ -41,4 +39,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax kernel-bench``: GPU timing of every shipped kernel case against its jnp reference, as a fraction
+"""``dflash-jax report kernel-bench``: GPU timing of every shipped kernel case against its jnp reference, as a fraction
 of the device's HBM peak (``dflash_jax.perf.kernel_bench``). It needs a GPU and refuses a CPU (exit 2)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import sys
 
 import jax
 
-from dflash_jax.cli import args as cli_args
 from dflash_jax.io import atomic
 from dflash_jax.perf import kernel_bench, kernel_report
 
@@ -18,7 +17,7 @@ def cmd_kernel_bench(args) -> int:
     backend = jax.default_backend()
     if backend not in ("gpu", "cuda", "rocm"):
         print(f"bench: needs a GPU (ROCm or CUDA); jax's default backend is {backend!r}. Run it on an "
-              "MI355X / H200 host; for CPU-side checks use `dflash-jax kernel-report`.", file=sys.stderr)
+              "MI355X / H200 host; for CPU-side checks use `dflash-jax report kernels`.", file=sys.stderr)
         return 2
     device = jax.devices()[0].device_kind
     peak = args.peak_bw or kernel_bench.peak_bandwidth(device)
@@ -38,9 +37,8 @@ def cmd_kernel_bench(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``kernel-bench`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("kernel-bench", help="GPU timing of every kernel against its reference (GPU only)",
-                       description=kernel_bench.__doc__.split("\n")[0])
+    """Registers ``report kernel-bench`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("kernel-bench", description=kernel_bench.__doc__.split("\n")[0])
     p.add_argument("--modules", default=",".join(kernel_report.KERNEL_MODULES),
                    help="comma-separated kernel modules of dflash_jax.kernels")
     p.add_argument("--filter", default="", help="only cases whose name contains this")
@@ -54,4 +52,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax kernel-report``: register, spill, LDS and MFMA figures of every shipped kernel config compiled for
+"""``dflash-jax report kernels``: register, spill, LDS and MFMA figures of every shipped kernel config compiled for
 an AMD arch on the CPU (``dflash_jax.perf.kernel_report``; needs the ``triton`` extra, no GPU). Exits 1 when a
 kernel spills or overflows the arch's LDS."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from dflash_jax.cli import args as cli_args
 from dflash_jax.perf import kernel_report
 
 
@@ -23,9 +22,8 @@ def cmd_kernel_report(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``kernel-report`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("kernel-report", help="registers, spills, LDS and MFMA of every kernel for an AMD arch",
-                       description=kernel_report.__doc__.split("\n")[0])
+    """Registers ``report kernels`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("kernels", description=kernel_report.__doc__.split("\n")[0])
     p.add_argument("--arch", default="gfx950", help="AMD target, e.g. gfx950 (MI355X), gfx942 (MI300X)")
     p.add_argument("--modules", default=",".join(kernel_report.KERNEL_MODULES),
                    help="comma-separated kernel modules of dflash_jax.kernels")
@@ -36,4 +34,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax perf-model``: bytes and FLOPs of one verify, draft and commit at real shapes, from their HLO, and
+"""``dflash-jax report perf-model``: bytes and FLOPs of one verify, draft and commit at real shapes, from their HLO, and
 the tokens/s they project (``dflash_jax.perf.perf_model``; about a minute of CPU, no accelerator)."""
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ def cmd_perf_model(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``perf-model`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("perf-model", help="bytes, FLOPs and projected tokens/s of a step at real shapes (HLO)",
-                       description=perf_model.__doc__.split("\n")[0])
+    """Registers ``report perf-model`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("perf-model", description=perf_model.__doc__.split("\n")[0])
     p.add_argument("--shapes", default="27b,35b-a3b", help="comma-separated real shapes (synthetic.REAL_SHAPES)")
     p.add_argument("--batches", type=cli_args.ints, default="1,32", help="comma-separated batch sizes")
     p.add_argument("--block", type=cli_args.positive, default=16, help="DFlash block size")
@@ -38,4 +37,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax quant-report``: MXFP4 against dense on one target + drafter pair (weight bytes, logit error, tau,
+"""``dflash-jax report quant``: MXFP4 against dense on one target + drafter pair (weight bytes, logit error, tau,
 CPU tokens/s), printed as JSON (``dflash_jax.perf.quant_report``)."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from dflash_jax import frontend
-from dflash_jax.cli import args as cli_args
 from dflash_jax.perf import quant_report
 
 
@@ -21,9 +20,8 @@ def cmd_quant_report(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``quant-report`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("quant-report", help="MXFP4 against dense: weight bytes, logit error, tau, CPU tokens/s",
-                       description=quant_report.__doc__.split("\n")[0])
+    """Registers ``report quant`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("quant", description=quant_report.__doc__.split("\n")[0])
     p.add_argument("assets", nargs="?", default=str(frontend.ASSETS), help="directory with target/ and drafter/")
     p.add_argument("--prompts", type=int, default=16, help="evaluation prompts")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
@@ -37,4 +35,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

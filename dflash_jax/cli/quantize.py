@@ -11,7 +11,7 @@ from dflash_jax.models.quark import quantize_checkpoint
 
 def add_parser(sub) -> None:
     """Registers ``quantize`` on the ``dflash-jax`` subcommands."""
-    q = sub.add_parser("quantize", help="write an MXFP4 copy of a target checkpoint in AMD Quark's layout")
+    q = sub.add_parser("quantize")
     q.add_argument("--model", required=True, help="dense target checkpoint directory")
     q.add_argument("--out", required=True, help="output checkpoint directory")
     q.add_argument("--exclude", action="append", default=[], metavar="PATTERN",

@@ -1,4 +1,4 @@
-"""``dflash-jax regime``: speed-up of DFlash over plain decoding at a fixed acceptance length on random-weight
+"""``dflash-jax report regime``: speed-up of DFlash over plain decoding at a fixed acceptance length on random-weight
 miniatures (``dflash_jax.perf.regime``); prints a markdown table row by row (several minutes on 2 CPU cores)."""
 
 from __future__ import annotations
@@ -43,9 +43,8 @@ def cmd_regime(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``regime`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("regime", help="DFlash speed-up at a fixed tau on random-weight miniatures (CPU table)",
-                       description=regime.__doc__.split("\n")[0])
+    """Registers ``report regime`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("regime", description=regime.__doc__.split("\n")[0])
     p.add_argument("--models", default=",".join(regime.MINIATURES),
                    help=f"comma-separated miniature targets, of {', '.join(regime.MINIATURES)}")
     p.add_argument("--taus", type=cli_args.ints, default="6,10", help="comma-separated fixed acceptance lengths")
@@ -58,4 +57,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

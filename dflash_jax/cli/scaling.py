@@ -1,4 +1,4 @@
-"""``dflash-jax scaling``: prefill time against prompt length and the DFlash loop's compile time against depth
+"""``dflash-jax report scaling``: prefill time against prompt length and the DFlash loop's compile time against depth
 (``dflash_jax.perf.scaling``); prints both tables (a few minutes on 2 CPU cores with the defaults)."""
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ def cmd_scaling(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``scaling`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("scaling", help="prefill time against prompt length, loop compile time against depth",
-                       description=scaling.__doc__.split("\n")[0])
+    """Registers ``report scaling`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("scaling", description=scaling.__doc__.split("\n")[0])
     p.add_argument("--prefill-model", default="shipped", help="shipped or a regime miniature (37m, 140m)")
     p.add_argument("--lengths", type=cli_args.int_list, default="128,256,512,1024,2048,4096,8192",
                    help="prefill: comma-separated prompt lengths ('' skips the prefill table)")
@@ -52,4 +51,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

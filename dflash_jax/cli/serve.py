@@ -203,7 +203,7 @@ def _block_size_flag(text: str) -> int | None:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("serve", help="an OpenAI-compatible server with continuous batching (flags as vLLM's)")
+    s = sub.add_parser("serve")
     s.add_argument("--model", help="target checkpoint directory (default: the shipped small target)")
     s.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the shipped "
                    "target; none with --model)")
@@ -238,4 +238,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,5 +1,5 @@
-"""``dflash-jax serve-bench``: running servers (``dflash-jax serve``, one per configuration) timed side by side with
-``perf.serve_load``: output tokens/s, time to first token and per output token (p50/p99), acceptance length,
+"""``dflash-jax report serve-bench``: running servers (``dflash-jax serve``, one per configuration) timed side by
+side with ``perf.serve_load``: output tokens/s, time to first token and per output token (p50/p99), acceptance length,
 at each concurrency, over a workload's prompts (HumanEval by default), the servers interleaved round by round
 and each figure the median over rounds. A 503 is retried after its Retry-After; a request that still fails is
 counted in its row (``failed``), and the JSON is rewritten after every run, so what was measured is kept."""
@@ -103,9 +103,8 @@ def _fmt(value, spec: str) -> str:
 
 
 def add_parser(sub) -> None:
-    """Registers ``serve-bench`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("serve-bench", help="time running servers side by side (tok/s, TTFT, per-token latency)",
-                       description=__doc__.split("\n\n")[0])
+    """Registers ``report serve-bench`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("serve-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--server", action="append", default=[], metavar="LABEL=URL",
                    help="a running server to time (repeatable), e.g. dflash=http://127.0.0.1:8000")
     p.add_argument("--concurrency", type=cli_args.ints, default="1,32", help="comma-separated client concurrencies")
@@ -123,4 +122,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

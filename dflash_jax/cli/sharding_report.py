@@ -1,4 +1,4 @@
-"""``dflash-jax sharding-report``: the collectives of one compiled decode step at real shapes, sharded against one
+"""``dflash-jax report sharding``: the collectives of one compiled decode step at real shapes, sharded against one
 device, a JSON row per (tensor-parallel size, batch) (``dflash_jax.perf.sharding_report``). It needs as many
 devices as the mesh: on a CPU, ``XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu``."""
 
@@ -26,9 +26,8 @@ def cmd_sharding_report(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``sharding-report`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("sharding-report", help="collectives of one compiled decode step, sharded vs one device",
-                       description=sharding_report.__doc__.split("\n")[0])
+    """Registers ``report sharding`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("sharding", description=sharding_report.__doc__.split("\n")[0])
     p.add_argument("--config", default="27b", choices=tuple(synthetic.REAL_SHAPES), help="the real shape")
     p.add_argument("--tp", type=cli_args.ints, default="1,8",
                    help="comma-separated tensor-parallel sizes to compare (1 = one device)")
@@ -41,4 +40,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

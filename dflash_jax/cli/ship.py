@@ -7,7 +7,6 @@ import json
 import time
 from pathlib import Path
 
-from dflash_jax.cli import args as cli_args
 from dflash_jax.train import ship
 
 
@@ -27,8 +26,7 @@ def cmd_ship(args) -> int:
 
 def add_parser(sub) -> None:
     """Registers ``ship`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("ship", help="reproduce the shipped target, drafter and MTP head from scratch",
-                       description=ship.__doc__.split("\n")[0])
+    p = sub.add_parser("ship", description=ship.__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, default=Path("ship_work"),
                    help="stage outputs and checkpoints: a new or empty directory, or one ship wrote (a rerun resumes "
                         "there)")
@@ -46,4 +44,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax step-profile``: where a decoding step's time goes on the CPU, per JAX scope, from XLA:CPU's
+"""``dflash-jax report step-profile``: where a decoding step's time goes on the CPU, per JAX scope, from XLA:CPU's
 per-op trace of one ``SpeculativeLoop.decode`` of the shipped models (``dflash_jax.perf.step_profile``)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import os
 import jax
 
 from dflash_jax import frontend
-from dflash_jax.cli import args as cli_args
 from dflash_jax.decoding.api import bucket_for, pad_prompts
 from dflash_jax.decoding.loop import SpecConfig
 from dflash_jax.decoding.workloads import load_turns
@@ -43,9 +42,8 @@ def cmd_step_profile(args) -> int:
 
 
 def add_parser(sub) -> None:
-    """Registers ``step-profile`` on the ``dflash-jax`` subcommands."""
-    p = sub.add_parser("step-profile", help="where a decoding step's time goes (CPU per-op trace, by JAX scope)",
-                       description=step_profile.__doc__.split("\n")[0])
+    """Registers ``report step-profile`` on the ``dflash-jax report`` commands."""
+    p = sub.add_parser("step-profile", description=step_profile.__doc__.split("\n")[0])
     p.add_argument("--method", default="dflash:16", help="ar, dflash:B or mtp:K")
     p.add_argument("--workload", default="humaneval", help="the workload whose first prompt is decoded")
     p.add_argument("--prompt-format", default="raw", choices=("raw", "chat"),
@@ -57,4 +55,6 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    cli_args.script(add_parser)
+    from dflash_jax.cli import script
+
+    script(__spec__.name)

@@ -1,4 +1,4 @@
-"""``dflash-jax train-*`` subcommands: tokenizer, target, drafter and MTP head, one stage each.
+"""``dflash-jax train ...`` subcommands: tokenizer, target, drafter and MTP head, one stage each.
 
 Registered by ``dflash_jax/cli/__init__.py``. Each command is a thin argparse wrapper over the stage functions
 (``ship.py`` chains the same functions with the shipped sizes), with every setting checked before any work.
@@ -195,15 +195,16 @@ def cmd_mtp(args) -> None:
 
 
 def add_parser(sub) -> None:
-    """Registers train-tokenizer, train-target, train-drafter and train-mtp on an argparse subparsers object."""
-    p = sub.add_parser("train-tokenizer", help="byte-level BPE on a corpus (HF tokenizer dir)")
+    """Registers ``train tokenizer``, ``train target``, ``train drafter`` and ``train mtp`` on the ``train``
+    group's subcommands."""
+    p = sub.add_parser("tokenizer")
     p.add_argument("--out", type=Path, required=True, help="tokenizer directory to write (Hugging Face files)")
     _corpus_arg(p)
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size (bytes, special tokens and merges)")
     p.set_defaults(func=cmd_tokenizer)
 
-    p = sub.add_parser("train-target", help="pretrain a small Qwen3.5 target on a corpus")
-    p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory (train-tokenizer's --out)")
+    p = sub.add_parser("target")
+    p.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory (train tokenizer's --out)")
     p.add_argument("--out", type=Path, required=True, help="target checkpoint directory to write")
     _corpus_arg(p)
     p.add_argument("--layers", type=int, default=4, help="decoder layers (every 4th is full attention)")
@@ -213,7 +214,7 @@ def add_parser(sub) -> None:
     _loop_args(p, steps=120, lr=3e-3, batch=8)
     p.set_defaults(func=cmd_target)
 
-    p = sub.add_parser("train-drafter", help="train a DFlash drafter on a frozen target (the DFlash paper's recipe)")
+    p = sub.add_parser("drafter")
     _data_args(p)
     p.add_argument("--out", type=Path, required=True, help="drafter checkpoint directory to write")
     p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
@@ -228,7 +229,7 @@ def add_parser(sub) -> None:
     _loop_args(p, steps=180, lr=2e-3, batch=8)
     p.set_defaults(func=cmd_drafter)
 
-    p = sub.add_parser("train-mtp", help="train the target's MTP head on the frozen target")
+    p = sub.add_parser("mtp")
     _data_args(p)
     p.add_argument("--out", type=Path, required=True, help="target directory written with its mtp.* head")
     p.add_argument("--unroll", type=int, default=7, help="steps the head is trained over, fed its own output from "

@@ -1,4 +1,4 @@
-"""The GPU check: one command for the first H200 / MI355X we get (``dflash-jax gpu-check --out DIR``).
+"""The GPU check: one command for the first H200 / MI355X we get (``dflash-jax report gpu-check --out DIR``).
 
 Where it sits: a developer tool on top of everything (kernels, models, the loop, the bench). It runs,
 in this order, within a time budget (default 9 minutes; a part that would not fit is recorded as

@@ -1,4 +1,4 @@
-"""GPU timing of every shipped kernel case against its jnp reference (``dflash-jax kernel-bench``).
+"""GPU timing of every shipped kernel case against its jnp reference (``dflash-jax report kernel-bench``).
 
 Where it sits: a developer tool beside the kernels, fed by each kernel module's ``report_cases()`` (the same
 cases the compile report checks: real Qwen3.5-27B / 35B-A3B shapes, batch 1 and 32, T = 1 and 16,

@@ -1,6 +1,6 @@
 """Compile report: register, spill, LDS and MFMA figures of every shipped kernel config for an AMD arch.
 
-Where it sits: a developer tool beside the kernels (``dflash-jax kernel-report --arch gfx950``)
+Where it sits: a developer tool beside the kernels (``dflash-jax report kernels --arch gfx950``)
 and a library for tests/perf/test_kernel_report.py; nothing in the model imports it. It needs no GPU.
 
 How it works, per ``KernelCase`` from each kernel module's ``report_cases()``:

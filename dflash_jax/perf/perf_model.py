@@ -13,7 +13,7 @@ Per program two byte counts, from the lowered (pre-optimisation) HLO:
   into its neighbours: matmuls, kernels (custom calls), gathers/scatters and in-place row updates
   (their moved rows only), reductions, sorts, concatenations. The GPU's HBM traffic to first order.
 
-``dflash-jax perf-model`` prints the table and the tokens/s projections of ``docs/performance.md``
+``dflash-jax report perf-model`` prints the table and the tokens/s projections of ``docs/performance.md``
 (``--json OUT`` also writes them); it takes about a minute of CPU.
 """
 

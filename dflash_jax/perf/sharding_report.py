@@ -9,7 +9,7 @@ the GiB of parameters and loop state (caches) each device holds.
 Needs as many devices as the mesh; on CPU simulate them::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-        dflash-jax sharding-report --config 27b --tp 1,8 --batch 1,32 --block 16
+        dflash-jax report sharding --config 27b --tp 1,8 --batch 1,32 --block 16
 """
 
 from __future__ import annotations

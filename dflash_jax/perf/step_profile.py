@@ -9,7 +9,7 @@ before its first computation. ``trace_decode`` runs one ``SpeculativeLoop.decode
 (its ``op_name``: ``check/verify/layer0``, ``draft``, ``settle``). Tracing adds about a microsecond to
 each op, so the traced step is longer than the untimed one; the shares and op counts are what it is for.
 
-``dflash-jax step-profile --method dflash:16`` prints, per scope, ops per step and their
+``dflash-jax report step-profile --method dflash:16`` prints, per scope, ops per step and their
 matmul and other microseconds per step, the slowest ops, and beside them the untraced step and its
 floor (``roofline.step_floor_timer``).
 """

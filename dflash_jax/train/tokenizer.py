@@ -62,7 +62,7 @@ def load(path: str | Path, flag: str | None = None) -> Tokenizer:
         why = "no such directory" if not Path(path).exists() else "not a directory" if not Path(path).is_dir() \
             else "it holds no tokenizer.json"
         raise ValueError(f"{given}: {why}; expected a tokenizer directory with {file.name} "
-                         "(as dflash-jax train-tokenizer --out writes, or a Hugging Face model's)")
+                         "(as dflash-jax train tokenizer --out writes, or a Hugging Face model's)")
     try:
         return Tokenizer.from_file(str(file))
     except Exception as e:  # the tokenizers library raises a bare Exception for a malformed file

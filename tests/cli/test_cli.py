@@ -340,12 +340,12 @@ def test_prompts_naming_a_directory_or_nothing(tmp_path, capsys):
 def test_outputs_are_checked_before_any_work(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     blocked = str(tmp_path / "file" / "sub")
-    err = _error(capsys, ["train-tokenizer", "--out", blocked])
+    err = _error(capsys, ["train", "tokenizer", "--out", blocked])
     assert f"--out {blocked}: not writable" in err
     tok = str(tmp_path / "tok")  # beside the outputs: an output never lies in an input
-    err = _error(capsys, ["train-target", "--tokenizer", tok, "--out", str(tmp_path / "o"), "--ckpt-dir", blocked])
+    err = _error(capsys, ["train", "target", "--tokenizer", tok, "--out", str(tmp_path / "o"), "--ckpt-dir", blocked])
     assert f"--ckpt-dir {blocked}: not writable" in err
-    err = _error(capsys, ["train-target", "--tokenizer", tok, "--out", str(tmp_path / "o"),
+    err = _error(capsys, ["train", "target", "--tokenizer", tok, "--out", str(tmp_path / "o"),
                           "--ckpt-dir", str(tmp_path / "ck"), "--ckpt-every", "0"])
     assert "--ckpt-every 0 with --ckpt-dir would never save a checkpoint" in err
 
@@ -356,7 +356,7 @@ def test_help_shows_defaults_and_version(capsys):
     out = capsys.readouterr().out
     assert "(default: 128)" in out and "(default: auto)" in out and "bfloat16 on GPU" in out
     with pytest.raises(SystemExit):
-        cli.main(["train-target", "--help"])
+        cli.main(["train", "target", "--help"])
     assert "(default: 120)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main(["--version"])
@@ -367,9 +367,17 @@ def test_help_shows_defaults_and_version(capsys):
 def test_every_option_of_every_subcommand_has_help():
     import argparse
 
-    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    missing = {name: [a.dest for a in p._actions if not a.help] for name, p in sub.choices.items()}
-    assert {"generate", "ship", "gpu-check", "kernel-bench"} <= set(sub.choices)
+    def commands(parser, prefix=""):  # (full name, parser) of every command, a group's members included
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        for name, p in sub.choices.items():
+            if any(isinstance(a, argparse._SubParsersAction) for a in p._actions):
+                yield from commands(p, f"{prefix}{name} ")
+            else:
+                yield prefix + name, p
+
+    found = dict(commands(cli.build_parser()))
+    missing = {name: [a.dest for a in p._actions if not a.help] for name, p in found.items()}
+    assert {"generate", "ship", "train drafter", "report gpu-check", "report kernel-bench"} <= set(found)
     assert not {name: dests for name, dests in missing.items() if dests}
 
 def test_no_import_cycle_between_cli_and_bench():
@@ -435,7 +443,7 @@ def test_a_speculative_config_without_a_method_is_a_draft_models_as_in_vllm(caps
 ])
 def test_perf_model_flags_are_refused_by_name_before_compiling(capsys, argv, match):
     try:
-        err = _error(capsys, ["perf-model", *argv])
+        err = _error(capsys, ["report", "perf-model", *argv])
     except SystemExit as e:  # refused by argparse while parsing
         assert e.code == 2
         err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -115,22 +115,22 @@ def test_train_target_without_a_tokenizer_names_the_path_and_leaves_no_output(tm
     out, empty = tmp_path / "target", tmp_path / "empty"
     empty.mkdir()
     for where in (out, empty):
-        err = _fail(capsys, ["train-target", "--tokenizer", str(tok), "--out", str(where),
+        err = _fail(capsys, ["train", "target", "--tokenizer", str(tok), "--out", str(where),
                              "--ckpt-dir", str(tmp_path / "ck")])
         assert f"--tokenizer {tok}: it holds no tokenizer.json" in err
     assert not out.exists() and not (tmp_path / "ck").exists()  # created by the claim, removed on failure
     assert empty.is_dir() and not any(empty.iterdir())  # the user's empty folder stays, empty
-    err = _fail(capsys, ["train-target", "--tokenizer", str(tmp_path / "nowhere"), "--out", str(out)])
+    err = _fail(capsys, ["train", "target", "--tokenizer", str(tmp_path / "nowhere"), "--out", str(out)])
     assert f"--tokenizer {tmp_path / 'nowhere'}: no such directory" in err
     (tok / "tokenizer.json").write_text("{not json")
     assert f"{tok / 'tokenizer.json'}: not a readable tokenizer" in _fail(
-        capsys, ["train-target", "--tokenizer", str(tok), "--out", str(out)])
+        capsys, ["train", "target", "--tokenizer", str(tok), "--out", str(out)])
     assert not out.exists()
 
 
 def test_a_failed_train_tokenizer_leaves_no_output_folder(tmp_path, capsys):
     out = tmp_path / "tok"
-    err = _fail(capsys, ["train-tokenizer", "--vocab", "10", "--out", str(out)])
+    err = _fail(capsys, ["train", "tokenizer", "--vocab", "10", "--out", str(out)])
     assert "--vocab 10" in err and not out.exists()
 
 

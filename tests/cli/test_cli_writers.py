@@ -71,18 +71,19 @@ def test_train_commands_never_write_into_their_input_or_a_foreign_directory(tmp_
     user.mkdir()
     (user / "todo.txt").write_text("keep me")
     before = tree_hash(tmp_path)
-    argv = {"train-drafter": ["--target", str(target)], "train-mtp": ["--target", str(target)],
-            "train-target": ["--tokenizer", str(target)], "train-tokenizer": []}
+    argv = {"train drafter": ["--target", str(target)], "train mtp": ["--target", str(target)],
+            "train target": ["--tokenizer", str(target)], "train tokenizer": []}
     for command, inputs in argv.items():
-        err = _fail(capsys, [command, *inputs, "--out", str(user)])
+        err = _fail(capsys, [*command.split(), *inputs, "--out", str(user)])
         assert f"--out {user}" in err and f"non-empty directory that dflash-jax {command} did not write" in err
         if inputs:
-            err = _fail(capsys, [command, *inputs, "--out", inputs[1], "--overwrite"])
+            err = _fail(capsys, [*command.split(), *inputs, "--out", inputs[1], "--overwrite"])
             assert f"--out {target.absolute()} is or holds the source checkpoint {target}" in err
-            err = _fail(capsys, [command, *inputs, "--out", str(tmp_path / "new"), "--ckpt-dir", str(target / "ck")])
+            err = _fail(capsys, [*command.split(), *inputs, "--out", str(tmp_path / "new"), "--ckpt-dir",
+                                 str(target / "ck")])
             assert f"--ckpt-dir {target / 'ck'} is inside the source checkpoint {target}" in err
         assert tree_hash(tmp_path) == before
-    err = _fail(capsys, ["train-target", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o"),
+    err = _fail(capsys, ["train", "target", "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "o"),
                          "--ckpt-dir", str(tmp_path / "o" / "ck")])
     assert "overlap" in err
 
@@ -93,13 +94,13 @@ def test_train_tokenizer_on_a_corpus_directory_writes_reruns_and_refuses_others(
     for i in range(3):
         (corpus / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}\n" * 40)
     out = tmp_path / "tok"
-    assert cli.main(["train-tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
-    assert (out / "tokenizer.json").is_file() and atomic.written_by(out) == "dflash-jax train-tokenizer"
-    assert cli.main(["train-tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
+    assert cli.main(["train", "tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
+    assert (out / "tokenizer.json").is_file() and atomic.written_by(out) == "dflash-jax train tokenizer"
+    assert cli.main(["train", "tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(out)]) == 0
     before = tree_hash(tmp_path)
-    err = _fail(capsys, ["train-target", "--tokenizer", str(tmp_path / "other"), "--corpus", str(corpus),
+    err = _fail(capsys, ["train", "target", "--tokenizer", str(tmp_path / "other"), "--corpus", str(corpus),
                          "--out", str(out)])
-    assert "dflash-jax train-target did not write (dflash-jax train-tokenizer wrote it)" in err
+    assert "dflash-jax train target did not write (dflash-jax train tokenizer wrote it)" in err
     assert tree_hash(tmp_path) == before
 
 
@@ -123,15 +124,16 @@ def test_a_tools_json_file_replaces_only_its_own(tmp_path, capsys):
     mine = tmp_path / "notes.json"
     mine.write_text('{"my": "notes"}')
     before = tree_hash(tmp_path)
-    err = _fail(capsys, ["perf-model", "--json", str(mine)])
-    assert f"--json {mine}: an existing file that dflash-jax perf-model did not write" in err and "--overwrite" in err
+    err = _fail(capsys, ["report", "perf-model", "--json", str(mine)])
+    assert f"--json {mine}: an existing file that dflash-jax report perf-model did not write" in err
+    assert "--overwrite" in err
     assert tree_hash(tmp_path) == before
 
     def tool(args):
         atomic.write_text(args.json, '{"rows": []}')
 
     out = tmp_path / "rows.json"
-    ns = dict(command="perf-model", json=str(out), func=tool, overwrite=False)
+    ns = dict(command="report perf-model", json=str(out), func=tool, overwrite=False)
     assert cli_args.run(argparse.Namespace(**ns)) == 0
     if atomic.file_written_by(out) is None:
         pytest.skip("this file system keeps no extended attributes")

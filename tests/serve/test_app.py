@@ -493,13 +493,13 @@ def test_load_generator_retries_503s_after_retry_after_and_keeps_its_figures(ser
 
 def test_serve_bench_command(server, tmp_path, capsys):
     url = server.base_url
-    assert main(["serve-bench", "--server", f"a={url}", "--server", f"a={url}"]) == 2
+    assert main(["report", "serve-bench", "--server", f"a={url}", "--server", f"a={url}"]) == 2
     assert "the label 'a' is given twice" in capsys.readouterr().err
-    assert main(["serve-bench", "--server", f"a={url}", "--concurrency", "0"]) == 2
+    assert main(["report", "serve-bench", "--server", f"a={url}", "--concurrency", "0"]) == 2
     assert "--concurrency: every value must be >= 1" in capsys.readouterr().err
     out, prompts = tmp_path / "bench.json", tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n"}) + "\n" for i in range(3)))
-    assert main(["serve-bench", "--server", f"a={url}", "--concurrency", "1,6", "--num-prompts", "6",
+    assert main(["report", "serve-bench", "--server", f"a={url}", "--concurrency", "1,6", "--num-prompts", "6",
                  "--max-tokens", "4", "--rounds", "1", "--prompts", str(prompts), "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
     assert [(r["server"], r["concurrency"], r["failed"]) for r in rows] == [("a", 1, 0), ("a", 6, 0)]

@@ -19,21 +19,21 @@ def test_train_commands_on_a_corpus_of_ones_own(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(f'{{"text": "def f{i}(x):\\n    return x * {i} + {i % 7}\\n"}}\n' for i in range(300)))
     tok, target, drafter, mtp = (tmp_path / n for n in ("tok", "target", "drafter", "mtp"))
-    assert cli.main(["train-tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(tok)]) == 0
+    assert cli.main(["train", "tokenizer", "--corpus", str(corpus), "--vocab", "300", "--out", str(tok)]) == 0
     small = ["--steps", "2", "--batch", "2"]
-    assert cli.main(["train-target", "--tokenizer", str(tok), "--corpus", str(corpus), "--out", str(target),
+    assert cli.main(["train", "target", "--tokenizer", str(tok), "--corpus", str(corpus), "--out", str(target),
                      "--layers", "4", "--hidden", "32", "--intermediate", "64", "--seq", "32", *small]) == 0
     data = ["--target", str(target), "--corpus", str(corpus), "--data-seqs", "4", "--prompt-len", "8", "--seq", "24",
             "--gen-batch", "4", *small]
     capsys.readouterr()
-    assert cli.main(["train-drafter", *data, "--out", str(drafter), "--layers", "1", "--block-size", "4",
+    assert cli.main(["train", "drafter", *data, "--out", str(drafter), "--layers", "1", "--block-size", "4",
                      "--anchors", "2"]) == 0
     out = capsys.readouterr()
     assert "drafter (taps [1, 2, 3]" in out.out  # the shipped recipe on a 4-layer target
     assert "data: the target continues 4 snippets by 16 tokens" in out.err
-    assert cli.main(["train-mtp", *data, "--out", str(mtp), "--unroll", "3", "--anchors", "2"]) == 0
-    for path, command in ((tok, "train-tokenizer"), (target, "train-target"), (drafter, "train-drafter"),
-                          (mtp, "train-mtp")):
+    assert cli.main(["train", "mtp", *data, "--out", str(mtp), "--unroll", "3", "--anchors", "2"]) == 0
+    for path, command in ((tok, "train tokenizer"), (target, "train target"), (drafter, "train drafter"),
+                          (mtp, "train mtp")):
         assert atomic.written_by(path) == f"dflash-jax {command}"
     t = load_target(mtp, jnp.float32, progress=False)
     assert t.module().mtp is not None
