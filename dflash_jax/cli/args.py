@@ -15,6 +15,7 @@ import sys
 from importlib import metadata
 from typing import TYPE_CHECKING
 
+from dflash_jax.cli import interrupt
 from dflash_jax.decoding.runtime import use_tpu_xla_flags
 from dflash_jax.io import atomic
 
@@ -240,17 +241,25 @@ def _release_claims(args) -> None:
 
 
 def run(args) -> int:
-    """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input."""
+    """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input,
+    128 + the signal (130, 143) after Ctrl-C or SIGTERM (``interrupt.stop_on_signals``: within seconds)."""
+    quiet_libtpu()
+    use_tpu_xla_flags()
+    with interrupt.stop_on_signals(lambda: _release_claims(args)) as stop:
+        return _run(args, stop)
+
+
+def _run(args, stop: interrupt.Stop) -> int:
     from dflash_jax.config import ConfigError
     from dflash_jax.io.checkpoint import CheckpointError
 
-    quiet_libtpu()
-    use_tpu_xla_flags()
     try:
         try:
             check_outputs(args)
             status = args.func(args) or 0
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, KeyboardInterrupt):
+                stop.take()  # no further deliveries while the claims are undone
             _release_claims(args)
             raise
         if status:
@@ -264,9 +273,9 @@ def run(args) -> int:
         print(f"dflash-jax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Ctrl-C (often during a compile): one line and the shell's status for SIGINT. os._exit, not a return:
-        # the interpreter's teardown with XLA's compile threads still running can crash (SIGSEGV).
+        # Ctrl-C or SIGTERM (often during a compile): one line and the shell's status for the signal. os._exit, not a
+        # return: the interpreter's teardown with XLA's compile threads still running can crash (SIGSEGV).
         print("\ndflash-jax: interrupted", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(130)
+        os._exit(stop.take())

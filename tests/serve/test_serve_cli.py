@@ -99,8 +99,9 @@ def test_sigterm_finishes_in_flight_requests_and_exits(tmp_path):
         proc.send_signal(signal.SIGTERM)
         for t in threads:
             t.join(TIMEOUT_S)
-        # uvicorn re-raises the signal once its graceful shutdown is done: the status says what ended it
-        assert proc.wait(TIMEOUT_S) in (0, -signal.SIGTERM)
+        # uvicorn re-raises the signal once its graceful shutdown is done: the status says what ended it (128 + the
+        # signal from ``cli.interrupt``'s handler, which uvicorn's gives back)
+        assert proc.wait(TIMEOUT_S) in (0, -signal.SIGTERM, 128 + signal.SIGTERM)
         for events in results:  # each in-flight request ran to its end
             assert events[-1] == "[DONE]"
             assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
