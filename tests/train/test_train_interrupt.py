@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM stop a ``train-*`` command within seconds (issue 41, 1.3), in a real process.
+"""Ctrl-C and SIGTERM stop a ``train ...`` command within seconds (issue 41, 1.3), in a real process.
 
 A KeyboardInterrupt raised inside a garbage-collector callback (JAX registers one) is printed as "Exception ignored"
 and dropped, so Ctrl-C used to be lost and training ran to its end; SIGTERM killed the process outright and left
@@ -37,7 +37,7 @@ sys.exit(cli.main(sys.argv[3:]))
 
 def _start(tmp_path: Path, name: str, hold: bool) -> tuple[subprocess.Popen, Path, Path, Path]:
     out, ckpt, inside = tmp_path / f"{name}_out", tmp_path / f"{name}_ckpt", tmp_path / f"{name}_inside"
-    args = ["train-target", "--tokenizer", str(TOKENIZER), "--out", str(out), "--ckpt-dir", str(ckpt),
+    args = ["train", "target", "--tokenizer", str(TOKENIZER), "--out", str(out), "--ckpt-dir", str(ckpt),
             "--layers", "4", "--hidden", "32", "--intermediate", "64", "--seq", "32", "--batch", "2",
             "--steps", "100000"]
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out / atomic.MARKER), str(inside) if hold else "",
