@@ -161,8 +161,9 @@ class Method:
     """``ar`` (plain decoding), ``mtp:K`` (K MTP steps, block K + 1) or ``dflash:B`` (block B; any DFlash
     drafter, whose checkpoint decides its generation). ``dflash2:B`` is kind "dflash" with ``dflash2`` set: the
     same loop and proposer, and the drafter must be a DFlash2 one (``check_blocks``). ``ddtree:N`` is kind
-    "dflash" with ``tree`` N: a draft tree of the N best prefixes of depth <= block - 1 per step (block
-    ``TREE_BLOCK``, z-lab's; ``ddtree:N:B`` another), with a DFlash drafter only (``check_generation``)."""
+    "dflash" with ``tree`` N: a draft tree of the N best paths of depth <= block - 1 per step (block
+    ``TREE_BLOCK``, z-lab's; ``ddtree:N:B`` another), grown from whichever drafter is given (a DFlash2 one's
+    from its candidate selector)."""
 
     kind: str
     block: int
@@ -262,23 +263,12 @@ def check_blocks(methods, drafter, where) -> None:
 def check_generation(methods, drafter_cfg, where) -> None:
     """A clear error naming the ``methods`` the drafter (config ``drafter_cfg``, from ``where``) cannot run as asked:
     ``dflash2:B`` with a DFlash drafter (its config.json has no DFlash2 fields: conv_kernel_size, ...,
-    selector_top_k), and ``ddtree:N`` with a DFlash2 one.
-
-    Why trees are refused for DFlash2: a draft tree (``decoding/tree.py``) is grown from the drafter's
-    per-position distributions, each position on its own, so a DFlash2 drafter's candidate selector (which
-    rescores each position given the token chosen before it) would be silently left out. Decoding would still
-    be exact (the target verifies every node), but the tree drafts worse than the selector's chain: with the
-    same DFlash2 drafter for the shipped target (the model card's equal-budget one), HumanEval/0..15, greedy,
-    128 new tokens, dflash2:16 reached tau 2.87, ddtree:16 2.26 and ddtree:64 (four times the verify width)
-    2.62. A tree grown from the selector's scores would be the DFlash2 form of DDTree; it is not built."""
+    selector_top_k). ``ddtree:N`` runs with either: a DFlash2 drafter's tree is grown from its candidate
+    selector's conditionals (``DFlashProposer.tree``)."""
     wrong = [m.name for m in methods if getattr(m, "dflash2", False) and not drafter_cfg.dflash2]
     if wrong:
         raise ValueError(f"{', '.join(wrong)}: the drafter {where} is a DFlash drafter, not a DFlash2 one (its "
                          f"config.json has no conv_kernel_size / selector_top_k); use dflash:B")
-    trees = [m.name for m in methods if getattr(m, "tree", None) is not None and drafter_cfg.dflash2]
-    if trees:
-        raise ValueError(f"{', '.join(trees)}: the drafter {where} is a DFlash2 drafter; draft trees are grown from "
-                         f"per-position distributions and would leave out its candidate selector; use dflash2:B")
 
 
 def checkpoint_has_mtp(model_dir: Path) -> bool:

@@ -316,7 +316,7 @@ def per_head(fn, args: tuple, labels: tuple, out_labels, *, heads: tuple[str, in
     heads each serving N / K consecutive N heads (KV heads, GDN key heads), None anything else.
     ``heads``/``shared`` are (logical axis, count). When the model axis divides N but not K (e.g. 2 KV
     heads on 8 devices: replicated by the table), each device's N heads read one K head, which it slices
-    out of its full copy; when it divides neither, heads stay whole on every device (rows still split).
+    out of its full copy; when it divides neither, heads stay whole on every device (rows still split, or not).
     """
     mesh = traced_mesh()
     if mesh is None:
@@ -330,8 +330,8 @@ def per_head(fn, args: tuple, labels: tuple, out_labels, *, heads: tuple[str, in
         axis = None  # a device's heads would straddle two shared heads
     spec = {"B": rows, "N": axis, "K": kv_axis}
     to_spec = lambda lab: P(*(spec.get(d) for d in lab))  # noqa: E731
-    if rows is None and axis is None:
-        return fn(*args)
+    # Splitting neither rows nor heads, it still runs in shard_map (every device the whole call on replicated
+    # inputs): a Mosaic kernel cannot be partitioned automatically, e.g. 16 heads on a model axis of 6.
 
     def body(*local):
         if axis is not None and kv_axis is None:  # this device's N heads all read shared head i * K / size

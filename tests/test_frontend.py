@@ -127,31 +127,24 @@ def test_the_mtp_head_is_loaded_only_when_mtp_is_used():
 
 
 @shipped
-def test_draft_trees_are_refused_for_a_dflash2_drafter(tmp_path):
-    """``ddtree:N`` grows its tree from per-position distributions, which would leave out a DFlash2 drafter's
-    selector: refused in one line where front ends load the models (generate, bench, serve); a DFlash2 drafter
-    still runs dflash2:B / dflash:B, and a DFlash drafter still runs trees."""
+def test_draft_trees_run_with_either_drafter():
+    """``ddtree:N`` runs with a DFlash drafter (per-position marginals) and with a DFlash2 one (its selector's
+    conditionals, ``DFlashProposer.tree``); dflash2:B is still refused for a DFlash drafter, naming the method."""
     import dataclasses
 
-    import jax.numpy as jnp
-
     from dflash_jax.config import DrafterConfig
-    from dflash_jax.models.drafter import init_drafter, save_drafter
 
-    target_dir, draft_dir = frontend.model_dirs(None, None)
+    _, draft_dir = frontend.model_dirs(None, None)
     one = DrafterConfig.from_pretrained(draft_dir)
-    assert not one.dflash2  # the shipped drafter: DFlash, trees allowed
+    assert not one.dflash2  # the shipped drafter: DFlash
     frontend.check_generation([frontend.parse_method("ddtree:64")], one, draft_dir)
     two = dataclasses.replace(one, num_hidden_layers=1, layer_types=("full_attention",), conv_kernel_size=2,
                               conv_group_size=16, selector_rank=8, selector_top_k=4)
-    frontend.check_generation([frontend.parse_method("dflash2:16"), frontend.parse_method("dflash:8")], two, "DIR")
-    save_drafter(tmp_path, init_drafter(two))
-    with pytest.raises(ValueError, match=rf"^ddtree:64, ddtree:8:4: the drafter {tmp_path} is a DFlash2 drafter; "
-                                         r"draft trees are grown from per-position distributions and would leave "
-                                         r"out its candidate selector; use dflash2:B$"):
-        frontend.load_models(target_dir, tmp_path, [frontend.parse_method(m) for m in ("dflash2:4", "ddtree:64",
-                                                                                       "ddtree:8:4")],
-                            dtype=jnp.float32, progress=False)
+    frontend.check_generation([frontend.parse_method(m) for m in ("dflash2:16", "dflash:8", "ddtree:64",
+                                                                  "ddtree:8:4")], two, "DIR")
+    with pytest.raises(ValueError, match=r"^dflash2:16: the drafter DIR is a DFlash drafter, not a DFlash2 one"):
+        frontend.check_generation([frontend.parse_method("dflash2:16"), frontend.parse_method("ddtree:8")], one,
+                                  "DIR")
 
 
 @shipped

@@ -17,11 +17,11 @@ plain autoregressive decoding through the same code: the baseline every speed-up
 A row whose target logits have no finite peak (a NaN, a +inf or all -inf after the temperature: NaN
 weights, overflow) stops with ``FinishReason.NONFINITE`` and emits nothing from that step on.
 
-With ``SpecConfig.tree_budget`` N the draft is a tree (``decoding/tree.py``: the N best prefixes of the
-drafter's block distributions, depth <= block_size - 1), verified in one pass of N + 1 tokens
-(``target.verify(parents=)``); the target's choices are walked down it, and the accepted path is then
-handled as the chain it is: its drafts, its nodes' logits (emission, stop ids, finiteness), its taps (the
-proposer's commit) and ``commit(cache, n, path)``.
+With ``SpecConfig.tree_budget`` N the draft is a tree (``decoding/tree.py``: the N best paths of depth <=
+block_size - 1 under the drafter's distributions, a DFlash2 drafter's conditioned by its selector), verified in
+one pass of N + 1 tokens (``target.verify(parents=)``); the target's choices are walked down it, and the
+accepted path is then handled as the chain it is: its drafts, its nodes' logits (emission, stop ids,
+finiteness), its taps (the proposer's commit) and ``commit(cache, n, path)``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class SpecConfig:
       default: the target's EOS ids.
     capacity: target cache length; None sizes it to prompt bucket + max_new_tokens + the verify width.
     tree_budget: None (a chain of block_size - 1 drafts) or N: a draft tree (DDTree, ``decoding.tree``) of the
-      N best prefixes of depth <= block_size - 1, verified in one pass of N + 1 tokens.
+      N best paths of depth <= block_size - 1 (a DFlash2 drafter's grown from its selector's conditionals),
+      verified in one pass of N + 1 tokens.
     """
 
     block_size: int = 16
@@ -246,13 +247,9 @@ class SpeculativeLoop:
             raise ValueError(f"block_size {block} needs a drafter (no proposer was given)")
         if block > self.proposer.max_block:
             raise ValueError(f"block_size {block} exceeds the proposer's block size {self.proposer.max_block}")
-        if self.spec.tree_budget is not None and not hasattr(self.proposer, "block_logprobs"):
-            raise ValueError(f"tree_budget {self.spec.tree_budget}: draft trees need a drafter that gives "
-                             f"per-position distributions (a DFlash drafter), not {type(self.proposer).__name__}")
-        if self.spec.tree_budget is not None and self.proposer.cfg.dflash2:
-            raise ValueError(f"tree_budget {self.spec.tree_budget}: a draft tree is grown from per-position "
-                             f"distributions and would leave out this DFlash2 drafter's candidate selector; run its "
-                             f"chain (no tree_budget)")
+        if self.spec.tree_budget is not None and not hasattr(self.proposer, "tree"):
+            raise ValueError(f"tree_budget {self.spec.tree_budget}: draft trees need a drafter that grows them "
+                             f"(a DFlash or DFlash2 drafter), not {type(self.proposer).__name__}")
         outside = [t for t in self.spec.stop_ids or () if t >= self.cfg.vocab_size]
         if outside:
             raise ValueError(f"stop_ids: token id {outside[0]} is outside the target's vocabulary "
@@ -387,10 +384,10 @@ class SpeculativeLoop:
         # Each row's keys follow its own step count: its stream does not depend on when it joined a batch.
         keys = jax.vmap(lambda key, t: jax.random.split(jax.random.fold_in(key, t)))(state.keys, state.steps)
         if self.spec.tree_budget is not None:
-            logprobs, pstate = self.proposer.block_logprobs(
+            tree, pstate = self.proposer.tree(
                 params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
-                k=self.spec.block_size - 1)
-            tree = draft_tree.build(state.anchor, logprobs, self.spec.tree_budget)
+                depth=self.spec.block_size - 1, budget=self.spec.tree_budget, keys=keys[:, 0],
+                sampling=self._rules(state))
             return Draft(tokens=tree.tokens[:, 1:], q=None, proposer=self._pin(pstate, tree.tokens.shape[0]),
                          accept_keys=keys[:, 1], tree=tree)
         tokens, q, pstate = self.proposer.propose(

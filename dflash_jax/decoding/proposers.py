@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dflash_jax.config import DrafterConfig
+from dflash_jax.decoding import tree as draft_tree
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig, draft_tokens
 from dflash_jax.models import dflash2
 from dflash_jax.models import drafter as dr
@@ -127,22 +128,27 @@ class DFlashProposer:
         cache = dr.init_draft_cache(self.cfg, prompt_lens.shape[0], capacity, prefill.taps.dtype)
         return dr.advance(dr.write_context(model, cache, prefill.taps), prompt_lens)
 
-    def propose(self, *, params, view: TargetView, state, anchor, k, keys, sampling):
-        model = nnx.merge(self.graphdef, params)
+    def _block(self, model, view: TargetView, state, anchor, k):
+        """One block pass after the anchor: (final-normed states [B, k, D] and draft logits [B, k, V] at the k
+        draft positions, the state after proposing)."""
         block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
                                                            jnp.int32)], axis=1)  # [B, k+1]
         hidden, cache = dr.draft_block(model, state, view.embed(block))
-        logits = dr.draft_logits(self.cfg, view.logits(hidden[:, 1:]))  # [B, k, V]
+        return hidden[:, 1:], dr.draft_logits(self.cfg, view.logits(hidden[:, 1:])), cache
+
+    def propose(self, *, params, view: TargetView, state, anchor, k, keys, sampling):
+        model = nnx.merge(self.graphdef, params)
+        hidden, logits, cache = self._block(model, view, state, anchor, k)
         if not self.cfg.dflash2:
             drafts, q = draft_tokens(logits, keys, sampling)
             return drafts, q, cache
         selector = model.candidate_selector
         if isinstance(sampling, RowSampling):  # each row's walk: sampled at its temperature, else the argmax
             temperature = jnp.where(sampling.sampled_drafts, sampling.temperature, 0.0)  # [B]
-            drafts, cand, q = selector.walk(hidden[:, 1:], logits, anchor, keys, temperature)
+            drafts, cand, q = selector.walk(hidden, logits, anchor, keys, temperature)
         else:
             greedy = not sampling.sampled_drafts
-            drafts, cand, q = selector.walk(hidden[:, 1:], logits, anchor, None if greedy else keys,
+            drafts, cand, q = selector.walk(hidden, logits, anchor, None if greedy else keys,
                                             sampling.temperature)
         return drafts, None if q is None else dflash2.scatter_probs(q, cand, logits.shape[-1]), cache
 
@@ -150,15 +156,22 @@ class DFlashProposer:
         model = nnx.merge(self.graphdef, params)
         return dr.advance(dr.write_context(model, state, verified.taps), n)
 
-    def block_logprobs(self, *, params, view: TargetView, state, anchor, k):
-        """The drafter's log-probabilities at the k positions after the anchor, from one block pass: ([B, k, V]
-        f32, the state after proposing), what a draft tree is grown from (``decoding.tree.build``)."""
+    def tree(self, *, params, view: TargetView, state, anchor, depth, budget, keys, sampling):
+        """A draft tree of ``budget`` nodes of depth <= ``depth`` after the anchor, from one block pass:
+        (``decoding.tree.DraftTree``, the state after proposing). A DFlash drafter's tree is grown from its
+        per-position marginals (``tree.build``), a DFlash2 drafter's from its candidate selector's conditionals
+        (``CandidateSelector.children``): each node's children are the next position's candidates scored given
+        the node's token. Rows with sampled drafts (``sampling``) grow a sampled tree at their temperature
+        (``tree.draft_temperature``), drawn with ``keys`` [B]; the others the likeliest paths."""
         model = nnx.merge(self.graphdef, params)
-        block = jnp.concatenate([anchor[:, None], jnp.full((anchor.shape[0], k), self.cfg.mask_token_id,
-                                                           jnp.int32)], axis=1)  # [B, k+1]
-        hidden, cache = dr.draft_block(model, state, view.embed(block))
-        logits = dr.draft_logits(self.cfg, view.logits(hidden[:, 1:]))  # [B, k, V]
-        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), cache
+        hidden, logits, cache = self._block(model, view, state, anchor, depth)
+        temperature, sampled = draft_tree.draft_temperature(sampling, anchor.shape[0])
+        keys = None if sampled is None else keys
+        if self.cfg.dflash2:
+            children = model.candidate_selector.children(hidden, logits, temperature)
+            return draft_tree.grow(anchor, children, depth, budget, keys, sampled), cache
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
+        return draft_tree.build(anchor, logprobs, budget, keys, sampled), cache
 
 
 @jax.tree_util.register_dataclass

@@ -1,27 +1,40 @@
-"""Draft trees (DDTree, Ringel & Romano, arXiv 2604.12989): built on device from the drafter's per-depth
-distributions, walked with the target's own choices.
+"""Draft trees (DDTree, Ringel & Romano, arXiv 2604.12989): grown on device from a drafter's distributions,
+walked with the target's own choices.
 
-Sits beside ``sampling.py`` under the loop (``loop.py``): the draft phase turns a DFlash block's log-probabilities
-at depths 1..D into a tree (``build``), the target verifies all its tokens in one pass (``target.verify`` with
+Sits beside ``sampling.py`` under the loop (``loop.py``): the draft phase grows a tree from the drafter's
+distributions at depths 1..D (``grow``), the target verifies all its tokens in one pass (``target.verify`` with
 ``parents``), and the settle phase walks it (``choices`` at every node, then ``walk``).
 
-The tree holds the ``N`` (the static budget) highest-scoring token prefixes, a prefix's score being the sum of
-its tokens' log-probabilities at their depths. It is grown best first: the best candidate is popped and added,
-and its next-ranked sibling (same depth and parent) and its first-ranked child become candidates. Both score no
-more than the node itself, so the N pops are exactly the N best prefixes, each after its parent and its
-better-ranked siblings: parents precede children, as the verify needs. Row layout: index 0 is the root (the
-anchor, depth 0), nodes 1..N follow in pop order; children of one node carry distinct tokens (distinct ranks).
+The tree holds the ``N`` (the static budget) best root-to-node paths, a path's score being the sum of its tokens'
+log-probabilities, each conditioned on the path before it. Which conditionals: a DFlash drafter's per-position
+marginals (``build``: every node at a depth has the same children), or a DFlash2 drafter's candidate selector,
+which scores each depth's candidates given the token of the node it extends (``proposers.DFlashProposer.tree``).
+Growth is one pass per depth, batched over the nodes: the frontier (a depth's ``min(N, ...)`` best nodes) is
+extended by each node's best children and the next frontier is the best of them. A node's score is at most its
+parent's, so each of the N best paths has its parent among the N best and among its depth's N best: the
+frontiers hold all of them, and the N best of all the frontiers' nodes are exactly the N best paths (ties go to
+the earlier node, a parent before its children). Row layout: index 0 is the root (the anchor, depth 0), nodes
+1..N follow by depth, so parents precede children, as the verify needs; children of one node carry distinct
+tokens.
+
+Sampled trees (``sampled`` rows): each node's children are a draw without replacement from its distribution
+(at the sampling temperature), by stochastic beam search (Kool et al. 2019, Gumbel-top-k): a node's score is a
+Gumbel-perturbed path log-probability, conditioned on being at most its parent's, so the N kept paths are a
+sample of distinct paths instead of the N likeliest.
 
 Acceptance is the target's: at each node the token it chooses there (its argmax, or a sample from its
 distribution under the row's rules); from the root, step to the child holding that token while there is one;
 the first choice without such a child is the bonus. Every emitted token is then the target's own choice given
 the accepted prefix, so greedy output equals plain decoding and sampled output has the target's distribution
-(the drafter's probabilities are never used). The chain is the tree with one child per node.
+(the drafter's probabilities are never used, and the tree, drafted with keys the target never reads, is fixed
+before the target draws). The chain is the tree with one child per node.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,57 +50,103 @@ class DraftTree:
     tokens: jax.Array  # [B, N+1] int32; tokens[:, 0] the anchor
     parents: jax.Array  # [B, N+1] int32; -1 at the root
     depths: jax.Array  # [B, N+1] int32; 0 at the root, at most D
-    valid: jax.Array  # [B, N+1] bool; False for the nodes a budget beyond every finite prefix leaves empty
+    valid: jax.Array  # [B, N+1] bool; False for the nodes a budget beyond every finite path leaves empty
 
 
-def build(anchor: jax.Array, logprobs: jax.Array, budget: int) -> DraftTree:
-    """The ``budget`` best prefixes of per-depth draft log-probabilities.
+# children(t, tokens [B, W]) -> (log-probabilities [B, W, K] f32, tokens [B, W, K] int32): the K candidates after
+# each of W nodes at depth t (0: the root) whose tokens are ``tokens``, each row of K distinct tokens.
+Children = Callable[[int, jax.Array], tuple[jax.Array, jax.Array]]
+
+
+def draft_temperature(rules: SamplingConfig | RowSampling, batch: int) -> tuple[jax.Array, jax.Array | None]:
+    """(temperature [B] f32 the tree's distributions are taken at, sampled [B] bool or None when no row samples):
+    a row with sampled drafts (``sampled_drafts``) grows a sampled tree at its temperature; the others grow the
+    likeliest paths of the drafter's own distributions (temperature 1)."""
+    if isinstance(rules, RowSampling):
+        sampled = rules.sampled_drafts
+        return jnp.where(sampled, rules.temperature, 1.0).astype(jnp.float32), sampled
+    if rules.sampled_drafts:
+        return jnp.full((batch,), rules.temperature, jnp.float32), jnp.ones((batch,), bool)
+    return jnp.ones((batch,), jnp.float32), None
+
+
+def build(anchor: jax.Array, logprobs: jax.Array, budget: int, keys: jax.Array | None = None,
+          sampled: jax.Array | None = None) -> DraftTree:
+    """The ``budget`` best paths of per-depth draft log-probabilities (a DFlash drafter's marginals).
 
     Args:
       anchor: [B] int32, the root's token.
       logprobs: [B, D, V] f32 log-probabilities of depth 1..D (a log-softmax of the drafter's logits).
       budget: N, nodes besides the root (static).
+      keys, sampled: [B] PRNG keys and the rows that grow a sampled tree (``grow``); None: none does.
     Returns:
-      a ``DraftTree`` of N + 1 nodes per row (nodes past the finite prefixes are marked invalid).
+      a ``DraftTree`` of N + 1 nodes per row (nodes past the finite paths are marked invalid).
     """
-    D, V = logprobs.shape[1:]
-    K = min(budget, V)  # no node ranks deeper than the budget among its siblings
-    vals, toks = jax.lax.top_k(logprobs.astype(jnp.float32), K)  # [B, D, K] descending
-    return jax.vmap(lambda a, v, t: _grow(a, v, t, budget, D, K))(anchor, vals, toks.astype(jnp.int32))
+    B, D, V = logprobs.shape
+    vals, toks = jax.lax.top_k(logprobs.astype(jnp.float32), min(budget, V))  # [B, D, K] descending
+
+    def children(t, tokens):  # the same K children after every node at depth t
+        shape = tokens.shape + vals.shape[-1:]
+        return jnp.broadcast_to(vals[:, t, None], shape), jnp.broadcast_to(toks[:, t, None], shape).astype(jnp.int32)
+
+    return grow(anchor, children, D, budget, keys, sampled)
 
 
-def _grow(anchor, vals, toks, N: int, D: int, K: int) -> DraftTree:
-    """One row of ``build``: N best-first pops over candidate slots (score, depth, rank, parent).
+def _below(parent: jax.Array, perturbed: jax.Array) -> jax.Array:
+    """Stochastic beam search's conditioning: children's Gumbel-perturbed scores [..., K] shifted so that their
+    maximum equals the parent's perturbed score [..., 1] (their order kept): -log(e^-parent - e^-max + e^-x)."""
+    top = perturbed.max(-1, keepdims=True)
+    v = parent - perturbed + jnp.log1p(-jnp.exp(jnp.minimum(perturbed - top, 0.0)))  # log1mexp, -inf at the max
+    return parent - jax.nn.relu(v) - jnp.log1p(jnp.exp(-jnp.abs(v)))
 
-    The popped slot takes the popped node's next sibling, slot i + 1 its first child: N + 1 slots hold every
-    live candidate. vals/toks [D, K]."""
-    neg = jnp.float32(-jnp.inf)
-    slots = N + 1
-    score = jnp.full((slots,), neg).at[0].set(vals[0, 0])
-    depth = jnp.ones((slots,), jnp.int32)
-    rank = jnp.zeros((slots,), jnp.int32)
-    parent = jnp.zeros((slots,), jnp.int32)
-    nodes = (jnp.zeros((N + 1,), jnp.int32).at[0].set(anchor), jnp.full((N + 1,), -1, jnp.int32),
-             jnp.zeros((N + 1,), jnp.int32), jnp.zeros((N + 1,), bool).at[0].set(True))
 
-    def pop(i, carry):
-        (score, depth, rank, parent), (tok, par, dep, ok) = carry
-        j = jnp.argmax(score)
-        s, d, r, p = score[j], depth[j], rank[j], parent[j]
-        live = s > neg
-        node = i + 1
-        tok = tok.at[node].set(jnp.where(live, toks[d - 1, r], 0))
-        par, dep, ok = par.at[node].set(jnp.where(live, p, 0)), dep.at[node].set(d), ok.at[node].set(live)
-        sib = jnp.where((r + 1 < K) & live, s - vals[d - 1, r] + vals[d - 1, jnp.minimum(r + 1, K - 1)], neg)
-        child = jnp.where((d < D) & live, s + vals[jnp.minimum(d, D - 1), 0], neg)
-        score = score.at[j].set(sib).at[node].set(child)
-        rank = rank.at[j].set(r + 1).at[node].set(0)
-        depth = depth.at[node].set(d + 1)
-        parent = parent.at[node].set(node)
-        return (score, depth, rank, parent), (tok, par, dep, ok)
+def grow(anchor: jax.Array, children: Children, depth: int, budget: int, keys: jax.Array | None = None,
+         sampled: jax.Array | None = None) -> DraftTree:
+    """The ``budget`` best paths of depth <= ``depth`` under ``children``'s conditional distributions.
 
-    _, (tok, par, dep, ok) = jax.lax.fori_loop(0, N, pop, ((score, depth, rank, parent), nodes))
-    return DraftTree(tokens=tok, parents=par, depths=dep, valid=ok)
+    Args:
+      anchor: [B] int32, the root's token.
+      children: the candidates after a depth's nodes and their log-probabilities (``Children``).
+      depth: D (static); budget: N, nodes besides the root (static).
+      keys: [B] PRNG keys of the ``sampled`` [B] rows, which grow a sample of distinct paths instead of the
+        likeliest ones (Gumbel-perturbed scores, see the module docstring); None: every row its likeliest.
+    Returns:
+      a ``DraftTree`` of N + 1 nodes per row, by depth (nodes past the finite paths are marked invalid).
+    """
+    B = anchor.shape[0]
+    rows = jnp.arange(B)[:, None]
+    tokens, logp, score = anchor.astype(jnp.int32)[:, None], jnp.zeros((B, 1)), jnp.zeros((B, 1))  # the frontier
+    levels = []  # per depth: (tokens [B, W], parent's index in the previous frontier [B, W], score [B, W])
+    for t in range(depth):
+        lq, cand = children(t, tokens)  # [B, W, K]
+        W, K = lq.shape[1:]
+        path = logp[:, :, None] + lq  # [B, W, K] the children's path log-probabilities
+        child = path
+        if keys is not None:
+            depth_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
+            noise = jax.vmap(functools.partial(jax.random.gumbel, shape=(W, K)))(depth_keys)  # [B, W, K]
+            child = jnp.where(sampled[:, None, None], _below(score[:, :, None], path + noise), path)
+        best, index = jax.lax.top_k(child.reshape(B, W * K), min(budget, W * K))  # the next frontier
+        tokens, logp, score = cand.reshape(B, W * K)[rows, index], path.reshape(B, W * K)[rows, index], best
+        levels.append((tokens, index // K, score))
+    sizes = [lv[0].shape[1] for lv in levels]
+    starts = [sum(sizes[:t]) for t in range(depth)]
+    pad = max(budget - sum(sizes), 0)  # a budget beyond every path: invalid nodes at the end
+    flat = lambda xs, fill: jnp.concatenate(xs + [jnp.full((B, pad), fill, xs[0].dtype)], axis=1)  # noqa: E731
+    tok = flat([lv[0] for lv in levels], 0)
+    up = flat([jnp.full_like(levels[0][1], -1)] + [lv[1] + starts[t - 1] for t, lv in enumerate(levels) if t], -1)
+    dep = flat([jnp.full_like(lv[0], t + 1) for t, lv in enumerate(levels)], 0)
+    scores = flat([lv[2] for lv in levels], -jnp.inf)
+    _, chosen = jax.lax.top_k(scores, budget)  # ties: the lower index, a parent before its children
+    chosen = jnp.sort(chosen, axis=1)  # [B, N] by depth
+    node = jnp.full(tok.shape, -1, jnp.int32).at[rows, chosen].set(jnp.arange(1, budget + 1, dtype=jnp.int32))
+    up = up[rows, chosen]
+    parent = jnp.where(up < 0, 0, node[rows, jnp.maximum(up, 0)])  # -1: a parent left out (never, but then unreached)
+    valid = (scores[rows, chosen] > -jnp.inf) & (parent >= 0)
+    first = lambda x, v: jnp.concatenate([jnp.full((B, 1), v, x.dtype), x], axis=1)  # noqa: E731
+    return DraftTree(tokens=first(jnp.where(valid, tok[rows, chosen], 0), anchor.astype(jnp.int32)[:, None]),
+                     parents=first(jnp.where(valid, parent, 0), -1), depths=first(dep[rows, chosen], 0),
+                     valid=first(valid, True))
 
 
 def choices(logits: jax.Array, keys: jax.Array, rules: SamplingConfig | RowSampling) -> jax.Array:

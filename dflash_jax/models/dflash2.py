@@ -15,6 +15,8 @@ selector's walk chooses the drafts). Facts from z-lab's ``dflash`` 0.1.0 (``dfla
   (codebooks A, B [V, r], P [r, D]) and walked from the anchor: each position's choice is the next
   position's predecessor. Greedy takes the argmax of the score; sampling draws from softmax(score / T)
   over the candidates and returns those probabilities, which acceptance reads scattered onto the vocabulary.
+  A draft tree (``decoding/tree.py``) branches on the same conditionals (``children``): each node's
+  candidates scored given the node's own token.
 
 Neither has a kernel: in a kernel mode other than "reference" (a Pallas or TPU mode, which the drafter's
 attention uses) both run this XLA form, and the log says so once per process (``_reference_fallback``, as the
@@ -130,6 +132,28 @@ class CandidateSelector(nnx.Module):
         return logits.astype(jnp.float32) + jnp.einsum("...r,vr->...v", left.astype(jnp.float32),
                                                        table.astype(jnp.float32))
 
+    def scorer(self, hidden: jax.Array, logits: jax.Array):
+        """The selector's scores of a block's candidates given their predecessors.
+
+        Args:
+          hidden: [B, k, D] the drafter's final-normed states at the draft positions.
+          logits: [B, k, V] their draft logits (``drafter.draft_logits``).
+        Returns:
+          (score(t, predecessors [B, W]) -> [B, W, top_k] f32: position t's candidates scored after each of W
+          predecessor tokens (t may be traced), candidates [B, k, top_k] int32).
+        """
+        _in_mode(self.kernels)
+        unary, cand = self.candidates(logits)
+        left = self.hidden_projection(hidden).astype(jnp.float32)  # [B, k, r]
+        right = self.successor_codebook(cand).astype(jnp.float32)  # [B, k, top_k, r]
+        codebook = self.predecessor_codebook.weight.get_value()
+
+        def score(t, predecessors):
+            a = jnp.take(codebook, predecessors, axis=0).astype(jnp.float32)  # [B, W, r]
+            return unary[:, t, None] + jnp.einsum("bwr,br,bnr->bwn", a, left[:, t], right[:, t])
+
+        return score, cand
+
     def walk(self, hidden: jax.Array, logits: jax.Array, anchor: jax.Array, keys: jax.Array | None,
              temperature: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """The selector's walk over a block's draft positions, from the anchor, on device.
@@ -145,17 +169,12 @@ class CandidateSelector(nnx.Module):
           (drafts [B, k] int32, candidates [B, k, top_k] int32, the sampling probabilities over the
           candidates [B, k, top_k] f32 or None when greedy).
         """
-        _in_mode(self.kernels)
-        unary, cand = self.candidates(logits)
-        left = self.hidden_projection(hidden).astype(jnp.float32)  # [B, k, r]
-        right = self.successor_codebook(cand).astype(jnp.float32)  # [B, k, top_k, r]
-        codebook = self.predecessor_codebook.weight.get_value()
+        scorer, cand = self.scorer(hidden, logits)
         k = hidden.shape[1]
         step_keys = None if keys is None else jax.vmap(lambda key: jax.random.split(key, k))(keys)  # [B, k]
 
         def step(pred, t):  # pred [B] -> (choice [B], (choice, q [B, top_k]))
-            a = jnp.take(codebook, pred, axis=0).astype(jnp.float32)  # [B, r]
-            score = unary[:, t] + jnp.einsum("br,br,bnr->bn", a, left[:, t], right[:, t])  # [B, top_k]
+            score = scorer(t, pred[:, None])[:, 0]  # [B, top_k]
             if step_keys is None:
                 index, q = jnp.argmax(score, axis=-1), jnp.zeros_like(score)
             elif jnp.ndim(temperature):  # per row [B]
@@ -173,6 +192,19 @@ class CandidateSelector(nnx.Module):
         _, (drafts, q) = jax.lax.scan(step, anchor.astype(jnp.int32), jnp.arange(k))
         q = None if step_keys is None else jnp.moveaxis(q, 0, 1)
         return jnp.moveaxis(drafts, 0, 1), cand, q
+
+    def children(self, hidden: jax.Array, logits: jax.Array, temperature: jax.Array):
+        """The selector's conditionals as a draft tree's ``decoding.tree.Children``: after a node at depth t with
+        token x, position t's candidates with log-probabilities log softmax(score(x) / temperature) (the
+        distribution the walk samples from). hidden [B, k, D], logits [B, k, V], temperature [B] (> 0)."""
+        scorer, cand = self.scorer(hidden, logits)
+        temp = temperature.astype(jnp.float32)[:, None, None]
+
+        def children(t, tokens):  # tokens [B, W] -> ([B, W, top_k], [B, W, top_k])
+            lq = jax.nn.log_softmax(scorer(t, tokens) / temp, axis=-1)
+            return lq, jnp.broadcast_to(cand[:, t, None], lq.shape)
+
+        return children
 
 
 def scatter_probs(q: jax.Array, candidates: jax.Array, vocab: int) -> jax.Array:

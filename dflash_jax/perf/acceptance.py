@@ -20,6 +20,7 @@ whether greedy or sampled drafts accept more on the same contexts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -112,7 +113,9 @@ def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: Ro
         raise ValueError(f"block_size {loop.spec.block_size}: acceptance needs drafts (block_size >= 2)")
     prompts, prompt_lens = jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_lens, jnp.int32)
     state = loop.init(params, prompts, prompt_lens, rng, rows)
-    terms = jax.jit(_position_terms, static_argnums=0)
+    tree = loop.spec.tree_budget is not None  # a tree's τ only: its nodes are no chain of positions to rate
+    nan = lambda: (np.full((prompts.shape[0], k), np.nan),) * 3  # noqa: E731
+    terms = nan if tree else functools.partial(jax.jit(_position_terms, static_argnums=0), loop)
     totals = {n: np.zeros(k) for n in ("reached", "accepted", "rule", "rule_var", "overlap", "top")}
     steps = tokens = 0
     for _ in range(max_steps or 1 << 30):
@@ -121,7 +124,7 @@ def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: Ro
             break
         draft = loop.draft(params, state)
         verified = loop.check(params, state, draft)
-        rule, overlap, top = map(np.asarray, terms(loop, params, state, draft, verified.out.logits))
+        rule, overlap, top = map(np.asarray, terms() if tree else terms(params, state, draft, verified.out.logits))
         before, n_before = np.asarray(state.accepted), np.asarray(state.n_out)
         state = loop.settle(params, state, draft, verified)
         counted = (np.asarray(state.accepted) - before).sum(1) == 1  # active rows whose step was finite
@@ -141,11 +144,12 @@ def measure(loop: SpeculativeLoop, params, prompts, prompt_lens, rng=0, rows: Ro
 def table(assets: str | Path = Path(__file__).parents[1] / "assets", *, temperatures=(0.0, 0.7, 1.0),
           draft_modes=DRAFT_MODES, block_size: int = 16, n_prompts: int = 16, max_new_tokens: int = 128,
           seed: int = 0, drafter: str | Path | None = None, json_out: str | Path | None = None,
-          per_row: bool = False) -> list[dict]:
+          per_row: bool = False, tree: int | None = None) -> list[dict]:
     """τ and per-position acceptance of the pair in ``assets`` (``target/``, ``drafter/``; ``drafter`` another
     drafter folder) on ``evaluate.eval_prompts`` (HumanEval/0..n-1), no stop ids, one row per (temperature,
     draft mode: "greedy", "sampled" or "auto", the default; greedy decoding once), printed as they come and
-    written to ``json_out`` when given; ``per_row``: the settings as ``RowSampling`` (the server's path)::
+    written to ``json_out`` when given; ``per_row``: the settings as ``RowSampling`` (the server's path);
+    ``tree``: draft trees of that budget (``SpecConfig.tree_budget``; τ only, no per-position rates)::
 
         python -c "from dflash_jax.perf.acceptance import table; table(temperatures=(0, 0.7))"
     """
@@ -166,14 +170,15 @@ def table(assets: str | Path = Path(__file__).parents[1] / "assets", *, temperat
     for t in temperatures:
         for mode in draft_modes if t > 0 else ("greedy",):
             cfg = SamplingConfig(temperature=t, draft_mode=mode)
-            spec = SpecConfig(block_size=block_size, max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=())
+            spec = SpecConfig(block_size=block_size, max_new_tokens=max_new_tokens, sampling=cfg, stop_ids=(),
+                              tree_budget=tree)
             if per_row:
                 spec = dataclasses.replace(spec, sampling=SamplingConfig())
             loop = SpeculativeLoop.of(target, proposer, spec)
             stats = measure(loop, params, tokens, lens, rng=seed,
                             rows=RowSampling.of([cfg] * len(prompts)) if per_row else None)
             rows.append({"prompts": source, "temperature": t, "draft_mode": mode, "block_size": block_size,
-                         "per_row": per_row, **stats.summary()})
+                         "tree": tree, "per_row": per_row, **stats.summary()})
             first = {n: np.round(stats.rate(n)[:4], 3).tolist() for n in ("accepted", "rule", "overlap", "top")}
             where = " per row" if per_row else ""
             print(f"T={t:g} drafts={mode}{where}: tau {stats.tau:.3f}  z {stats.z():+.2f}  positions 1-4: accepted "

@@ -85,17 +85,3 @@ def test_the_position_warning_uses_real_lengths_not_the_bucket(target):
         generate(short, [[3] * 20], max_new_tokens=40, stop_ids=())
     with pytest.warns(PositionWarning, match=r"the longest prompt \(30 tokens\) \+ max_new_tokens 50 = 80 exceeds"):
         generate(short, [[3] * 30], max_new_tokens=50, stop_ids=())
-
-
-def test_a_draft_tree_with_a_dflash2_drafter_is_refused():
-    """A tree would silently leave out the selector: refused before tracing, the Drafter and the pair alike."""
-    from dflash_jax.frontend import ASSETS, parse_method, proposer_for
-    from dflash_jax.models.drafter import load_drafter
-    from dflash_jax.models.target import load_target
-
-    target = load_target(ASSETS / "target", dtype=jnp.float32, mtp=False, progress=False)
-    drafter = load_drafter(ASSETS / "dflash2", target, progress=False)
-    for given in (drafter, proposer_for(parse_method("dflash2:16"), target, drafter)):
-        for run in (generate, lambda *a, **k: next(stream(*a, **k))):  # stream checks at its first step
-            with pytest.raises(ValueError, match="tree_budget 8: .* DFlash2 drafter's candidate selector"):
-                run(target, [[5, 6, 7]], drafter=given, max_new_tokens=4, tree_budget=8)

@@ -326,8 +326,9 @@ def hybrid_target(request):
     return load_target(path, dtype=jnp.float32, progress=False)
 
 
-def _generate(target, proposer, pparams, prompts, block, sampling=SamplingConfig(), max_new=24, rng=0, bucket=16):
-    spec = SpecConfig(block_size=block, max_new_tokens=max_new, sampling=sampling, stop_ids=())
+def _generate(target, proposer, pparams, prompts, block, sampling=SamplingConfig(), max_new=24, rng=0, bucket=16,
+              tree=None):
+    spec = SpecConfig(block_size=block, max_new_tokens=max_new, sampling=sampling, stop_ids=(), tree_budget=tree)
     return make_generate(target, proposer, spec)((target.params, pparams), *pad_prompts(prompts, bucket), rng)
 
 
@@ -342,10 +343,11 @@ def test_greedy_dflash2_lossless_mixed_batch(hybrid_target):
     np.testing.assert_array_equal(out.tokens, ar.tokens)
 
 
-def _sampled_joint(mode: str, capacity: int | None = None):
+def _sampled_joint(mode: str, capacity: int | None = None, tree: int | None = None):
     """(counts [V, V, V] of the first three tokens of 6000 rows, their exact law, steps per kept-draft count [3]):
     temperature 4 (the sharp head softened, so p and q differ) over an 8-token vocabulary; the selector knows the
-    target's greedy bigrams (``bigram_drafter``), so drafts are often accepted and often rejected."""
+    target's greedy bigrams (``bigram_drafter``), so drafts are often accepted and often rejected. ``tree``: a
+    draft tree of that many nodes (depth 2) grown from the selector instead of its chain."""
     target = sharp_tiny_target()
     n_vocab = target.cfg.vocab_size
     cfg = DrafterConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -362,7 +364,7 @@ def _sampled_joint(mode: str, capacity: int | None = None):
     N = 6000
     out = jax.jit(make_generate(target, DFlashProposer(cfg, drafter.graphdef),
                                 SpecConfig(block_size=3, max_new_tokens=3, sampling=sampling, stop_ids=(),
-                                           capacity=capacity)))(
+                                           capacity=capacity, tree_budget=tree)))(
         (target.params, drafter.params), *pad_prompts([prompt.tolist()] * N, 4), jax.random.key(7))
     seqs = np.asarray(out.tokens)
     counts = np.bincount(np.ravel_multi_index(seqs.T, (n_vocab,) * 3), minlength=n_vocab**3).reshape(exact.shape)
@@ -389,6 +391,97 @@ def test_the_exact_distribution_test_rejects_a_wrong_q(monkeypatch):
     monkeypatch.setattr(dflash2, "scatter_probs", lambda q, cand, vocab: scatter(q[..., ::-1], cand, vocab))
     counts, exact, _ = _sampled_joint("sampled", capacity=11)  # another program: it traces the patched rule
     assert chi2_pvalue(counts.sum(0).ravel(), exact.sum(0).ravel()) < 1e-6
+
+
+# ---- draft trees from the selector ----
+
+def _brute_best_paths(scorer, anchor: int, row: int, depth: int, temperature: float = 1.0) -> list[float]:
+    """Every path's summed conditional log-probability under the selector (one row), by enumeration."""
+    paths, scores = [((anchor,), 0.0)], []
+    for t in range(depth):
+        preds = jnp.asarray([[p[-1] for p, _ in paths]] * scorer[1].shape[0], jnp.int32)  # [B, W]
+        lq = np.asarray(jax.nn.log_softmax(scorer[0](t, preds) / temperature, axis=-1))[row]  # [W, K]
+        cand = np.asarray(scorer[1])[row, t]
+        paths = [(p + (int(c),), s + lq[w, i]) for w, (p, s) in enumerate(paths) for i, c in enumerate(cand)]
+        scores += [s for _, s in paths]
+    return sorted(scores, reverse=True)
+
+
+def test_selector_tree_holds_the_best_conditional_paths():
+    """The tree grown from the selector (``DFlashProposer.tree``'s ``grow`` over ``CandidateSelector.children``)
+    holds the N paths with the highest summed conditional log-probability, each child scored given its parent's
+    token (enumerated), parents first, siblings distinct, its best first node the walk's argmax; a sampled
+    tree (its rows' keys) is a tree of distinct paths that changes with the key; a budget beyond every path
+    leaves invalid nodes."""
+    from dflash_jax.decoding import tree as draft_tree
+
+    cfg = drafter_config("dflash2", block_size=4)
+    model = random_drafter(cfg, seed=3).module()
+    selector = model.candidate_selector
+    rng = np.random.default_rng(4)
+    B, k, N = 2, 3, 30
+    hidden = jnp.asarray(rng.normal(size=(B, k, D)), jnp.float32)
+    logits = jnp.asarray(rng.normal(size=(B, k, V)) * 2, jnp.float32)
+    anchor = jnp.asarray([3, 17], jnp.int32)
+    scorer = selector.scorer(hidden, logits)
+    children = selector.children(hidden, logits, jnp.ones((B,)))
+    tree = draft_tree.grow(anchor, children, k, N)
+    toks, par, dep = (np.asarray(x) for x in (tree.tokens, tree.parents, tree.depths))
+    assert np.asarray(tree.valid).all()
+    for b in range(B):
+        score = np.zeros(N + 1)
+        for t in range(1, N + 1):
+            p = par[b, t]
+            assert 0 <= p < t and dep[b, t] == dep[b, p] + 1
+            preds = jnp.full((B, 1), toks[b, p], jnp.int32)
+            lq = np.asarray(jax.nn.log_softmax(scorer[0](dep[b, t] - 1, preds), axis=-1))[b, 0]
+            index = list(np.asarray(scorer[1])[b, dep[b, t] - 1]).index(toks[b, t])
+            score[t] = score[p] + lq[index]
+        np.testing.assert_allclose(sorted(score[1:], reverse=True), _brute_best_paths(scorer, int(anchor[b]), b, k)[:N],
+                                   rtol=1e-5, atol=1e-5)
+        assert len({(par[b, t], toks[b, t]) for t in range(1, N + 1)}) == N
+    greedy, _, _ = selector.walk(hidden, logits, anchor, None)
+    np.testing.assert_array_equal(toks[:, 1], greedy[:, 0])  # node 1: the best first draft, the walk's argmax
+
+    keys, sampled = jax.random.split(jax.random.key(0), B), jnp.ones((B,), bool)
+    hot = selector.children(hidden, logits, jnp.full((B,), 2.0))
+    one, two = (draft_tree.grow(anchor, hot, k, N, ks, sampled) for ks in (keys, keys[::-1]))
+    for t in (one, two):
+        ps, ts = np.asarray(t.parents), np.asarray(t.tokens)
+        assert np.asarray(t.valid).all() and all(0 <= ps[b, i] < i for b in range(B) for i in range(1, N + 1))
+        assert all(len({(ps[b, i], ts[b, i]) for i in range(1, N + 1)}) == N for b in range(B))
+    assert not np.array_equal(np.asarray(one.tokens), np.asarray(two.tokens))
+    small = draft_tree.grow(anchor, children, 1, 8)  # one depth of top_k 5 candidates, budget 8
+    np.testing.assert_array_equal(np.asarray(small.valid).sum(1), 1 + cfg.selector_top_k)
+
+
+def test_greedy_selector_trees_are_lossless_mixed_batch(hybrid_target):
+    """A mixed batch (prompt lengths 1..12) under trees grown from a DFlash2 drafter's selector emits plain
+    decoding's tokens (dense; MoE under the slow marker); the selector knows the target's bigrams, so the trees'
+    drafts are accepted, more per step than its chain's."""
+    target = hybrid_target
+    cfg = drafter_config("dflash2", "sliding_scaled", block_size=6, selector_rank=V, selector_top_k=V)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, V, n).tolist() for n in (5, 12, 1, 9)]
+    ar = _generate(target, NoProposer(), (), prompts, 1)
+    text = [t for row, p in zip(ar.token_lists(), prompts, strict=True) for t in [p[-1], *row]]
+    drafter = bigram_drafter(cfg, target, text)
+    proposer = DFlashProposer(cfg, drafter.graphdef)
+    out = _generate(target, proposer, drafter.params, prompts, 6, tree=12)
+    np.testing.assert_array_equal(out.tokens, ar.tokens)
+    assert np.asarray(out.accepted)[:, 1:].sum() > 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", pytest.param("sampled", marks=pytest.mark.slow)])
+def test_selector_tree_sampling_matches_exact_distribution(mode):
+    """Sampling through trees of 3 nodes grown from the selector (depth 2 over 8 tokens: most of the target's
+    samples miss the tree, at the root and below it), the likeliest paths or a sampled tree: the first three
+    tokens' joint law is plain sampling's."""
+    counts, exact, accepted = _sampled_joint(mode, tree=3)
+    assert accepted[0] > 300 and accepted[1:].sum() > 300, accepted  # misses and hits both decide tokens
+    assert chi2_pvalue(counts.sum((0, 2)), exact.sum((0, 2))) > 1e-4
+    assert chi2_pvalue(counts.sum((0, 1)), exact.sum((0, 1))) > 1e-4
+    assert chi2_pvalue(counts.sum(0).ravel(), exact.sum(0).ravel()) > 1e-4
 
 
 # ---- the method name ----

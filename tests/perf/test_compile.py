@@ -111,6 +111,17 @@ def test_the_compile_command_refuses_bad_flags_in_one_line_before_compiling(flag
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_tensor_parallel_size_the_error_suggests_compiles_with_the_mosaic_kernels(capsys):
+    """v5e:2x4: the --tp 3 error suggests 6, and 6 compiles the shipped decode with the TPU kernels (its 4 heads
+    split over no 6 chips: the Mosaic kernels run whole on each chip, under shard_map; before, JAX refused to
+    partition them automatically)."""
+    assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x4", "--tp", "3"]) == 2
+    assert "use one of 1, 2, 4, 6, 8" in capsys.readouterr().err
+    setup = _shipped(compile_report.tpu_devices("v5e:2x4"), model=6, batch=1, kernels="tpu")
+    (row,) = compile_report.report(setup, ("decode",))
+    assert row["chips"] == 6 and row["kernels"] == "tpu" and row["optimal_seconds"] > 0
+
+
 def test_the_cuda_error_names_the_plugin_install_docs_compile_gives():
     """Without the CUDA plugin the error gives the install line docs/compile.md gives (the plugin alone)."""
     if importlib.util.find_spec("jax_cuda12_plugin") is not None:
