@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -35,10 +36,12 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def model_dirs(model: str | None, draft_model: str | None, dflash2: bool = False) -> tuple[Path, Path | None]:
+def model_dirs(model: str | None, draft_model: str | None, dflash2: bool = False,
+               draft_flag: str = "--draft-model") -> tuple[Path, Path | None]:
     """(target dir, drafter dir or None): the shipped pair by default (its DFlash2 drafter when ``dflash2``: every
-    DFlash method asked for is ``dflash2:B``); no drafter with a user's --model."""
-    draft = model_dir(draft_model, "--draft-model") if draft_model else None
+    DFlash method asked for is ``dflash2:B``); no drafter with a user's --model. ``draft_flag``: where the user gave
+    the drafter (``--speculative-config``'s "model", say), for errors."""
+    draft = model_dir(draft_model, draft_flag) if draft_model else None
     if model is None:
         return ASSETS / "target", draft or ASSETS / ("dflash2" if dflash2 else "drafter")
     return model_dir(model, "--model"), draft
@@ -81,7 +84,7 @@ def model_dir(text: str, flag: str) -> Path:
                          f"local files only). Download it first, e.g. `huggingface-cli download {text}`, then pass "
                          f"the folder it prints (or keep it in the Hugging Face cache, {hub_cache()}, where "
                          f"{flag} {text} finds it)")
-    return path  # absent: the config read that follows names it
+    raise ValueError(f"{flag} {text}: no such directory")
 
 
 def resolve_dtype(flag: str | None, model_dir: Path) -> str:
@@ -183,17 +186,18 @@ TREE_BLOCK = 16  # a draft tree's block (depth + 1) unless ``ddtree:N:B`` says o
 
 
 def parse_method(item: str, flag: str = "--methods") -> Method:
-    """'ar', 'mtp:K' (K in 1..15), 'dflash:B' or 'dflash2:B' (B >= 2), 'ddtree:N[:B]' -> Method; errors name
-    ``flag``."""
+    """'ar', 'mtp:K' (K in 1..15), 'dflash:B' or 'dflash2:B' (B >= 2), 'ddtree:N[:B]' -> Method, in any case;
+    errors name ``flag``."""
     item = item.strip()
-    if item == "ar":
+    name = item.lower()  # names in any case: DDTREE:16, DFlash:16
+    if name == "ar":
         return AR
-    if item.startswith("ddtree:"):
-        return _parse_tree(item, flag)
-    kind, _, arg = item.partition(":")
+    if name.startswith("ddtree:"):
+        return _parse_tree(name, flag)
+    kind, _, arg = name.partition(":")
     if kind not in ("mtp", "dflash", "dflash2") or not arg.isdigit():
         raise ValueError(f"{flag}: cannot parse {item!r}; expected ar, mtp:K (K in 1..15), dflash:B or dflash2:B "
-                         f"(B >= 2)")
+                         f"(B >= 2), or ddtree:N (a draft tree of N nodes; ddtree:N:B at block B)")
     n = int(arg)
     if kind == "mtp" and not 1 <= n <= 15:
         raise ValueError(f"{flag}: {item!r}: MTP steps K must be in 1..15")
@@ -216,14 +220,80 @@ def _parse_tree(item: str, flag: str) -> Method:
     return Method("dflash", block, tree=n)
 
 
+def tree_verify_bytes(cfg, nodes: int) -> int:
+    """Bytes one row's verify of a draft tree of ``nodes`` nodes holds at once, at least: its node-by-node
+    float32 matrices [T, T] (T = nodes + 1), one per attention head (the scores) and five per Gated DeltaNet
+    value head (the closed-form tree solve: path decays, key products, the triangular inverse and two products),
+    plus the ancestor mask. They grow as T squared, so a tree of 100,000 nodes needs about a terabyte: on the
+    shipped target (4 + 5 x 4 heads: 100 bytes per node pair) XLA's memory analysis of the tree verify gives
+    110 bytes per pair at N = 1023, and N = 100,000 failed allocating 1.01e12 bytes (101 per pair)."""
+    per_pair = 4 * (cfg.num_attention_heads + 5 * cfg.linear_num_value_heads + 1)
+    return per_pair * (nodes + 1) ** 2
+
+
+def device_memory() -> tuple[int, str]:
+    """(bytes, what they are) of the first local device: an accelerator's memory, or on a CPU the host's RAM."""
+    import jax
+
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    if limit:
+        return int(limit), f"the {device.device_kind}'s memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's RAM"
+
+
+def check_tree_fits(methods, cfg, where: str = "", memory: tuple[int, str] | None = None) -> None:
+    """A one-line error for a ``ddtree:N`` among ``methods`` whose verify cannot fit ``memory`` (bytes, what;
+    default: ``device_memory()``) even at batch 1 (``tree_verify_bytes`` of target config ``cfg``), naming the
+    largest N that could. ``where``: the flag the method came from. Called before any weight is loaded."""
+    trees = [m for m in methods if getattr(m, "tree", None) is not None]
+    if not trees:
+        return
+    limit, what = memory or device_memory()
+    limit = int(limit)
+    per_pair = tree_verify_bytes(cfg, 0)
+    for m in trees:
+        need = tree_verify_bytes(cfg, m.tree)
+        if need > limit:
+            largest = math.isqrt(limit // per_pair) - 1
+            fits = f"at most ddtree:{largest} fits" if largest >= 1 else "no tree fits"
+            raise ValueError(f"{where + ': ' if where else ''}{m.name}: a draft tree of {m.tree:,} nodes is verified "
+                             f"as {m.tree + 1:,} tokens per row in one target pass, whose node-by-node matrices "
+                             f"({per_pair} bytes per node pair on this target) need {need / 1e9:,.0f} GB, more than "
+                             f"{what} ({limit / 1e9:,.0f} GB); {fits}")
+
+
 def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, progress: bool = True, mesh=None,
                 draft_window: int | None = None):
-    """(target, drafter or None) for ``methods``: the MTP head only when an MTP method is among them.
-    ``draft_window`` (``--draft-window``): the drafter sees at most that many context positions per block.
+    """(target, drafter or None) for ``methods``, one drafter (``draft_dir``) for every DFlash method among them
+    (``load_target_and_drafters``, which says the rest)."""
+    target, drafters = load_target_and_drafters(
+        model_dir, {m: draft_dir for m in methods if m.kind == "dflash"}, methods, dtype=dtype, progress=progress,
+        mesh=mesh, draft_window=draft_window)
+    return target, next(iter(drafters.values()), None)
 
-    The drafter is loaded only when a DFlash method is among them; one without ``draft_dir`` is an error.
-    With a ``mesh`` (``sharding.make_mesh``) the target's tensors load straight onto their shards; the
-    drafter (small) loads on one device and the loop moves it onto the mesh.
+
+def draft_dirs(methods, model: str | None, draft_model: str | None,
+               draft_flag: str = "--draft-model") -> dict[Method, Path | None]:
+    """{DFlash method: its drafter folder}: the user's ``draft_model`` for every one; with the shipped target (no
+    ``model``), each method's own shipped drafter (``dflash2:B``: the DFlash2 one; ``dflash:B``, ``ddtree:N``:
+    the DFlash one), so ``bench --methods dflash:16,dflash2:16`` runs both; with a user's ``model`` alone, None
+    (``load_target_and_drafters`` then asks for --draft-model)."""
+    given = model_dir(draft_model, draft_flag) if draft_model else None
+    return {m: given or (None if model else ASSETS / ("dflash2" if m.dflash2 else "drafter"))
+            for m in methods if m.kind == "dflash"}
+
+
+def load_target_and_drafters(model_dir: Path, drafters: dict, methods, *, dtype, progress: bool = True, mesh=None,
+                             draft_window: int | None = None):
+    """(target, {DFlash method: drafter}) for ``methods``: the MTP head only when an MTP method is among them,
+    each drafter folder of ``drafters`` ({DFlash method: folder or None}, ``draft_dirs``) loaded once and
+    checked against its methods (``check_blocks``); a DFlash method without a folder is an error.
+    ``draft_window`` (``--draft-window``): the drafters see at most that many context positions per block.
+
+    Every check that needs no weights runs first (the window, a tree's memory). With a ``mesh``
+    (``sharding.make_mesh``) the target's tensors load straight onto their shards; a drafter (small) loads on
+    one device and the loop moves it onto the mesh.
     """
     from dflash_jax.models.drafter import load_drafter
     from dflash_jax.models.target import load_target
@@ -232,32 +302,43 @@ def load_models(model_dir: Path, draft_dir: Path | None, methods, *, dtype, prog
     if draft_window is not None and "dflash" not in kinds:  # before the (long) load: the flag would do nothing
         raise ValueError(f"--draft-window {draft_window}: bounds a DFlash drafter's context, and none of "
                          f"{', '.join(m.name for m in methods)} drafts with one")
-    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False, mesh=mesh)
-    drafter = None
-    if "dflash" in kinds:
-        if draft_dir is None:
-            raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
-                             f"shipped one, so there is no default drafter)")
-        if draft_window is not None:
-            from dflash_jax.config import DrafterConfig
+    if any(m.kind == "dflash" and drafters.get(m) is None for m in methods):
+        raise ValueError(f"DFlash needs a drafter: give --draft-model DIR (the target {model_dir} is not the "
+                         f"shipped one, so there is no default drafter)")
+    if draft_window is not None:
+        from dflash_jax.config import DrafterConfig
 
-            block = DrafterConfig.from_pretrained(draft_dir).block_size
+        for folder in dict.fromkeys(drafters.values()):
+            block = DrafterConfig.from_pretrained(folder).block_size
             if draft_window < block:
                 raise ValueError(f"--draft-window {draft_window}: must be >= the drafter's block size {block} "
-                                 f"({draft_dir})")
-        drafter = load_drafter(draft_dir, target, window=draft_window, progress=progress)
-        check_blocks(methods, drafter, draft_dir)
-    return target, drafter
+                                 f"({folder})")
+    if any(getattr(m, "tree", None) is not None for m in methods):
+        from dflash_jax.config import read_target_config
+
+        check_tree_fits(methods, read_target_config(model_dir)[0])
+    target = load_target(model_dir, dtype=dtype, progress=progress, mtp=None if "mtp" in kinds else False, mesh=mesh)
+    loaded = {}
+    for folder in dict.fromkeys(drafters.values()):
+        loaded[folder] = load_drafter(folder, target, window=draft_window, progress=progress)
+        check_blocks([m for m, f in drafters.items() if f == folder], loaded[folder], folder)
+    return target, {m: loaded[folder] for m, folder in drafters.items()}
 
 
 def check_blocks(methods, drafter, where) -> None:
     """A clear error naming the DFlash ``methods`` with a block larger than ``drafter``'s (loaded from ``where``),
     or asking for a DFlash2 drafter (``dflash2:B``) where it is a DFlash one."""
+    problems = []  # every method blamed at once
     too_big = [m.name for m in methods if m.kind == "dflash" and m.block > drafter.cfg.block_size]
     if too_big:
-        raise ValueError(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
-                         f"({where})")
-    check_generation(methods, drafter.cfg, where)
+        problems.append(f"{', '.join(too_big)}: larger than the drafter's block size {drafter.cfg.block_size} "
+                        f"({where})")
+    try:
+        check_generation(methods, drafter.cfg, where)
+    except ValueError as e:
+        problems.append(str(e))
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def check_generation(methods, drafter_cfg, where) -> None:

@@ -86,14 +86,16 @@ def test_parse_method_errors_name_the_flag(text, match):
     assert str(e.value).startswith("--method")
 
 
-def test_default_model_dirs():
+def test_default_model_dirs(tmp_path):
+    m, d = tmp_path / "m", tmp_path / "d"
+    m.mkdir(), d.mkdir()
     assert frontend.model_dirs(None, None) == (frontend.ASSETS / "target", frontend.ASSETS / "drafter")
-    assert frontend.model_dirs("m", None) == (frontend.Path("m"), None)
-    assert frontend.model_dirs("m", "d") == (frontend.Path("m"), frontend.Path("d"))
+    assert frontend.model_dirs(str(m), None) == (m, None)
+    assert frontend.model_dirs(str(m), str(d)) == (m, d)
     # dflash2:B alone picks the shipped DFlash2 drafter; a user's --draft-model or --model wins
     assert frontend.model_dirs(None, None, dflash2=True) == (frontend.ASSETS / "target", frontend.ASSETS / "dflash2")
-    assert frontend.model_dirs(None, "d", dflash2=True)[1] == frontend.Path("d")
-    assert frontend.model_dirs("m", None, dflash2=True) == (frontend.Path("m"), None)
+    assert frontend.model_dirs(None, str(d), dflash2=True)[1] == d
+    assert frontend.model_dirs(str(m), None, dflash2=True) == (m, None)
     parse = frontend.parse_method
     assert frontend.wants_dflash2([parse("dflash2:16"), parse("ar"), parse("mtp:3")])
     assert not frontend.wants_dflash2([parse("dflash2:16"), parse("dflash:16")])
@@ -180,3 +182,47 @@ def test_a_draft_window_without_a_dflash_method_is_refused_before_loading(tmp_pa
     with pytest.raises(ValueError, match="--draft-window 64: bounds a DFlash drafter's context, and none of ar, "
                                          "mtp:3 drafts with one"):
         frontend.load_models(tmp_path / "nothing here", None, methods, dtype="float32", draft_window=64)
+
+
+def test_a_draft_tree_too_big_for_memory_is_refused_naming_the_bound():
+    """``ddtree:N``'s verify holds node-by-node matrices, ~T^2 bytes (T = N + 1): refused in one line before any
+    weight loads, naming the largest N that fits; a tree that fits passes."""
+    from dflash_jax.config import read_target_config
+
+    cfg = read_target_config(frontend.ASSETS / "target")[0]
+    per_pair = frontend.tree_verify_bytes(cfg, 0)
+    assert per_pair == 4 * (cfg.num_attention_heads + 5 * cfg.linear_num_value_heads + 1) == 100  # shipped: 4 + 20
+    memory = (per_pair * 1001**2, "a 0.1 GB device")  # exactly a 1000-node tree
+    frontend.check_tree_fits([frontend.parse_method("ddtree:1000"), frontend.AR], cfg, "--method", memory)
+    with pytest.raises(ValueError, match=r"^--method: ddtree:100000: a draft tree of 100,000 nodes .* more than a "
+                                         r"0.1 GB device \(0 GB\); at most ddtree:1000 fits$"):
+        frontend.check_tree_fits([frontend.parse_method("ddtree:100000")], cfg, "--method", memory)
+    frontend.check_tree_fits([frontend.parse_method("ddtree:2000")], cfg)  # this host (2,000 ran fine)
+
+
+def test_method_names_in_any_case_and_every_form_in_the_error():
+    assert frontend.parse_method("DDTREE:16", "--method") == frontend.parse_method("ddtree:16")
+    assert frontend.parse_method(" DFlash2:8 ").name == "dflash2:8" and frontend.parse_method("AR") == frontend.AR
+    with pytest.raises(ValueError, match=r"^--method: cannot parse 'ddtree'; expected ar, mtp:K .*dflash2:B "
+                                         r"\(B >= 2\), or ddtree:N"):
+        frontend.parse_method("ddtree", "--method")
+
+
+def test_each_dflash_method_gets_its_own_shipped_drafter_unless_one_is_given(tmp_path):
+    methods = [frontend.parse_method(m) for m in ("ar", "dflash:16", "dflash2:16", "ddtree:8", "mtp:3")]
+    dflash, dflash2, tree = methods[1:4]
+    assert frontend.draft_dirs(methods, None, None) == {dflash: frontend.ASSETS / "drafter",
+                                                        dflash2: frontend.ASSETS / "dflash2",
+                                                        tree: frontend.ASSETS / "drafter"}
+    assert set(frontend.draft_dirs(methods, None, str(tmp_path)).values()) == {tmp_path}
+    assert set(frontend.draft_dirs(methods, "m", None).values()) == {None}
+
+
+def test_a_missing_folder_is_no_such_directory_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match=r'^--speculative-config "model" /nonexistent: no such directory$'):
+        frontend.model_dirs(None, "/nonexistent", draft_flag='--speculative-config "model"')
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r'^--speculative-config "model" .*config.json: is a file'):
+        frontend.model_dirs(None, str(tmp_path / "config.json"), draft_flag='--speculative-config "model"')
+    with pytest.raises(ValueError, match=r"^--model .*nowhere: no such directory$"):
+        frontend.model_dirs(str(tmp_path / "nowhere"), None)

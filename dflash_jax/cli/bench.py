@@ -74,15 +74,26 @@ def cmd_bench(args) -> int:
     if args.random_config:
         workloads = ["random"]
         target, drafter, model_dir, draft_dir = random_models(args, needed)
+        drafters = {m: drafter for m in needed if m.kind == "dflash"}
+        folders = {m: draft_dir for m in drafters}
         encoded = {"random": random_prompts(args.num_prompts, args.random_prompt_len, target.cfg.vocab_size,
                                             args.seed)}
         how = f"random token ids ({args.random_prompt_len} per prompt)"
     else:
         turns = {w: load_turns(w, args.prompts, args.num_prompts, args.prompt_format) for w in workloads}
-        model_dir, draft_dir = frontend.model_dirs(args.model, args.draft_model, frontend.wants_dflash2(needed))
-        target, drafter = frontend.load_models(model_dir, draft_dir, needed, dtype=frontend.DTYPES[args.dtype],
-                                              progress=not args.quiet, mesh=mesh,
-                                              draft_window=getattr(args, "draft_window", None))
+        if args.prompts:  # the rows are the file's prompts: labelled by the file, not by --workload
+            workloads = ["stdin" if args.prompts == "-" else Path(args.prompts).name]
+            turns = {workloads[0]: next(iter(turns.values()))}
+        model_dir, _ = frontend.model_dirs(args.model, None)
+        folders = frontend.draft_dirs(needed, args.model, args.draft_model)  # each method its own default drafter
+        target, drafters = frontend.load_target_and_drafters(
+            model_dir, folders, needed, dtype=frontend.DTYPES[args.dtype], progress=not args.quiet, mesh=mesh,
+            draft_window=getattr(args, "draft_window", None))
+    if AUTO in methods:  # auto weighs DFlash chains: the stand-in's drafter
+        drafters[AUTO], folders[AUTO] = drafters[needed[-1]], folders[needed[-1]]
+    # the DFlash (not DFlash2) drafter, for the peers and the report: the first one asked for
+    draft_dir = next((f for m, f in folders.items() if f is not None and not getattr(m, "dflash2", False)),
+                     next(iter(folders.values()), None))
     notes = []
     mtp = [m for m in needed if m.kind == "mtp"]
     if mtp and not frontend.has_mtp(target):
@@ -90,10 +101,10 @@ def cmd_bench(args) -> int:
         methods = [m for m in methods if m not in mtp]
     peer_models = peers.Models(model_dir, draft_dir, peer_list, args.dtype) if peer_list else None
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    key = (str(model_dir), str(draft_dir), args.dtype)
+    key = (str(model_dir), str(folders.get(AUTO)), args.dtype)
 
     def choose(prompts, batch):
-        return step_cost.choose(target, drafter, prompts, batch=batch, key=key, draft_dir=draft_dir,
+        return step_cost.choose(target, drafters[AUTO], prompts, batch=batch, key=key, draft_dir=folders[AUTO],
                                 max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed, mesh=mesh)[0]
     for note in notes:
         print(f"dflash-jax bench: {note}", file=sys.stderr)
@@ -108,7 +119,7 @@ def cmd_bench(args) -> int:
     results = []
     with tqdm(total=units, desc="bench", unit="run", disable=args.quiet, file=sys.stderr) as progress:
         for w in workloads:
-            results += bench_workload(w, encoded[w], methods, target, drafter, args, progress, mesh, choose=choose,
+            results += bench_workload(w, encoded[w], methods, target, drafters, args, progress, mesh, choose=choose,
                                       peer_models=peer_models)
     print(format_table(results))
     goals = format_goals(results)
@@ -125,7 +136,8 @@ def cmd_bench(args) -> int:
               f"greedy check: texts DIFFER from ar's for {', '.join(bad)}")
     report = dict(
         args={k: v for k, v in vars(args).items() if k != "func"}, machine=_machine(),
-        models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if drafter else None,
+        models=dict(target=str(model_dir.resolve()), drafter=str(draft_dir.resolve()) if draft_dir else None,
+                    drafters={m.name: str(Path(f).resolve()) for m, f in folders.items() if m != AUTO},
                     tokenizer=None if args.random_config else str(args.tokenizer or model_dir), dtype=args.dtype,
                     random_weights=bool(args.random_config)),
         settings=dict(workloads=workloads, methods=[m if m == AUTO else m.name for m in methods],

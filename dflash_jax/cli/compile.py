@@ -77,6 +77,10 @@ def cmd_compile(args) -> int:
     else:
         configs = compile_report.real_configs(args.shape, drafter=args.drafter)
     block = args.block or synthetic.drafter_config(configs[1]).block_size
+    hbm = compile_report.HBM_BYTES.get(devices[0].device_kind)
+    if args.tree and hbm:  # a tree whose verify cannot fit one chip even at batch 1: refused before compiling
+        frontend.check_tree_fits([frontend.Method("dflash", block, tree=n) for n in args.tree],
+                                 synthetic.target_config(configs[0]), "--tree", (hbm, f"one {devices[0].device_kind}"))
     if args.draft_window is not None and args.draft_window < block:
         raise ValueError(f"--draft-window {args.draft_window}: must be >= the drafter's block size {block}")
     name = args.shape if args.drafter == "dflash" else f"{args.shape}+{args.drafter}"

@@ -162,20 +162,25 @@ def asks_dflash2(args, spec: dict | None) -> bool:
     return bool(args.method) and frontend.wants_dflash2([frontend.parse_method(args.method, "--method")])
 
 
+def drafter_source(args, spec: dict | None) -> tuple[str | None, str]:
+    """(the drafter folder the user gave or None, the flag it came from, for errors): ``--speculative-config``'s
+    "model" or ``--draft-model`` (the same folder if both are given)."""
+    spec_model = (spec or {}).get("model")
+    if not spec_model:
+        return args.draft_model, "--draft-model"
+    if args.draft_model and Path(spec_model) != Path(args.draft_model):
+        raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model {spec_model}")
+    return spec_model, '--speculative-config "model"'
+
+
 def check_request(args) -> Request:
     """Every check that needs no weights: flags, configs (sizes only), the prompts' text."""
     texts = read_prompts(args)
-    draft_flag = args.draft_model
     spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
-    if spec is not None:
-        spec_model = spec.get("model")
-        if spec_model and args.draft_model and Path(spec_model) != Path(args.draft_model):
-            raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
-                             f"{spec_model}")
-        draft_flag = spec_model or args.draft_model
+    draft_path, draft_flag = drafter_source(args, spec)
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
-    model_dir, draft_dir = frontend.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
+    model_dir, draft_dir = frontend.model_dirs(args.model, draft_path, asks_dflash2(args, spec), draft_flag)
     cfg, _ = read_target_config(model_dir)  # an MXFP4 (Quark) checkpoint too
     draft_block = draft_cfg = None
     if draft_dir is not None:
@@ -199,6 +204,7 @@ def check_request(args) -> Request:
                          f"size {draft_block} ({draft_dir})")
     if method.kind == "dflash":
         frontend.check_generation([method], draft_cfg, draft_dir)
+        frontend.check_tree_fits([method], cfg, "--method" if args.method else "--speculative-config")
     if method.kind == "mtp" and not cfg.mtp_num_hidden_layers:
         raise ValueError(f"--speculative-config: method 'mtp' needs an MTP head; {model_dir} has none "
                          f"(mtp_num_hidden_layers is 0)")

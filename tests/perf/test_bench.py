@@ -85,6 +85,7 @@ def test_simulated_acceptance_fixes_tau(setup, capsys):
     _, df = report["results"]
     # 2 of 3 drafts accepted every step: 15 tokens after the first in 5 steps of 3.
     assert df["simulated"] and df["tau"] == 3.0 and df["tau_hist"] == {"1": 0, "2": 0, "3": 10, "4": 0}
+    assert df["workload"] == "prompts.jsonl"  # --prompts' rows are labelled by the file, not by --workload
     assert df["matches_ar"] and "every method's text equals ar's" in capsys.readouterr().out
 
 
@@ -111,6 +112,19 @@ def _row(method, **kw):
     return dict(dict(workload="w", concurrency=1, method=method, tau=1.0, tokens_per_s=10.0, speedup_spread=spread,
                      ceiling=None, e2e_speedup=1.0, loop_step_ms=1.0, floor_x=None, compile_s=0.0, matches_ar=True,
                      mismatched_rows=0, step_ms=dict(draft=0.0, verify=1.0, commit=0.1)), **kw)
+
+
+def test_plots_name_each_method_as_asked(tmp_path):
+    """tau.png's series are the methods' families, each point named as asked (dflash2:16, not "DFlash block B");
+    a tree sits at its verify width N + 1."""
+    rows = [_row(name, kind=kind, block=block, tree=tree, tau=tau) for name, kind, block, tree, tau in (
+        ("ar", "ar", 1, None, 1.0), ("dflash:4", "dflash", 4, None, 2.0), ("dflash:16", "dflash", 16, None, 2.9),
+        ("dflash2:16", "dflash", 16, None, 6.0), ("ddtree:63", "dflash", 16, 63, 4.4), ("mtp:3", "mtp", 4, None, 2.2))]
+    assert bench._series(rows, "tau") == {
+        "dflash": [(4, 2.0, "dflash:4"), (16, 2.9, "dflash:16")], "dflash2": [(16, 6.0, "dflash2:16")],
+        "ddtree": [(64, 4.4, "ddtree:63")], "mtp": [(4, 2.2, "mtp:3")]}
+    pytest.importorskip("matplotlib")
+    assert bench.plot(rows, tmp_path) == ["tau.png", "tokens_per_s.png"]
 
 
 def test_table_marks_the_auto_block_and_reports_a_peer_whose_text_differs():
