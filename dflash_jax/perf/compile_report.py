@@ -22,6 +22,7 @@ import functools
 import math
 import os
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -265,8 +266,11 @@ def compile_program(phase, args, compiler_options: dict | None = None) -> dict:
     the TPU's estimate is not positive (libtpu 0.0.42 charges some ops -1 or -2 s: with XLA's weight prefetching,
     a bincount; docs/compile.md)."""
     start = time.perf_counter()
-    lowered = phase.lower(*args)
-    compiled = lowered.compile(compiler_options=compiler_options or None)
+    with warnings.catch_warnings():  # a phase alone donates the state parts that ``step`` updates in place; those
+        # it returns no buffer of the same shape for (check: the caches the commit writes) are simply freed
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        lowered = phase.lower(*args)
+        compiled = lowered.compile(compiler_options=compiler_options or None)
     seconds = time.perf_counter() - start
     mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
     source = "compiled"

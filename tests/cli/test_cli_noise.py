@@ -64,3 +64,22 @@ def test_readme_tokenizer_needs_no_torch_and_says_nothing_about_it():
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip().endswith("def f(x):")
     assert not re.search(r"PyTorch was not found|torch", run.stderr), run.stderr
+
+
+def test_compile_says_nothing_of_the_donated_buffers_a_phase_alone_frees():
+    """``compile`` compiles the loop's phases one by one, each donating the state ``step`` updates in place; the
+    parts a phase alone returns nothing for are freed, and JAX's "Some donated buffers were not usable" said so
+    on every run. ``compile_report.compile_program`` (what ``compile`` runs per program) keeps it quiet."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.perf import compile_report
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    phase = jax.jit(lambda x, cache: (x * 2, cache[:2]), donate_argnums=1)  # the cache: no output to alias
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=one) for shape in ((4,), (8,))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compile_report.compile_program(phase, args)["argument_bytes"] == 48
