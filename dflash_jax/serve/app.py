@@ -12,7 +12,12 @@ Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (whole responses, 
 OpenAI's ``usage``, a request with ``return_meta_info: true`` gets SGLang's ``meta_info``
 (``spec_verify_ct``: target verify steps; ``spec_accept_length``: completion tokens per verify step), which
 z-lab's benchmark client reads. A full queue is a 503 with ``Retry-After``; a client that leaves
-mid-request (streaming or not) cancels its job, which frees its slot at the next step.
+mid-request (streaming or not) cancels its job, which frees its slot at the next step; one that leaves while
+sending its body is one line in the log; a body that has not arrived ``read_timeout`` seconds after its headers
+is a 408. Chat messages are OpenAI's, agent turns included (an assistant's ``tool_calls``, ``tool`` results;
+the tool calls' arguments handed to the template as objects, as vLLM does). Usage reports the prompt tokens
+the engine found in its prefix cache (``prompt_tokens_details.cached_tokens``). An engine that fails fails
+``/health`` at once and asks the server to stop (``server.py``: ``dflash-jax serve`` then exits with 1).
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ import logging
 import math
 import numbers
 import os
+import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -48,6 +54,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/comple
 ESCAPED_BYTES_PER_CHAR = 12  # the most a JSON string spends on one character ("\\ud83d\\ude00")
 BODY_SLACK_BYTES = 2**20  # the body cap's room for everything but the prompt's characters
 REQUEST_THREADS = 4  # threads that parse and tokenize requests
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
           "user", "return_meta_info", "ignore_eos"}
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "parallel_tool_calls"}
@@ -138,8 +145,8 @@ class Ask:
 
 def _error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> Response:
     """OpenAI's error shape; ASCII-escaped JSON, so no text a client sent can make the answer itself fail."""
-    kind = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
-            503: "service_unavailable"}.get(status, "error")
+    kind = {400: "invalid_request_error", 404: "not_found_error", 408: "invalid_request_error",
+            413: "invalid_request_error", 503: "service_unavailable"}.get(status, "error")
     body = json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}})
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
@@ -174,11 +181,37 @@ def _neutral(body: dict, chat: bool) -> None:
         if not any(_is(body[name], v) for v in values):
             shown = " or ".join(json.dumps(v) for v in values)
             raise BadRequest(f"'{name}' must be {shown} or null here ({missing}), got {json.dumps(body[name])}", name)
-    tools = body.get("tools")
-    if chat and tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise BadRequest(f"'tools' must be a list of tool objects, got {tools!r}", "tools")
     if chat and not isinstance(body.get("parallel_tool_calls", False), bool | None):
         raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+
+
+class Digits:
+    """A JSON integer of more digits than Python converts (``sys.get_int_max_str_digits``): no field takes one."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _json_int(text: str):
+    limit = sys.get_int_max_str_digits()
+    return Digits(text) if limit and len(text.lstrip("-")) > limit else int(text)
+
+
+def _shown(value) -> str:
+    """``value`` as an error message shows it: an integer of over 30 digits by its length."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(value) >= 10**30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return repr(value)
+
+
+def _finite(value: numbers.Real) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range
+        return False
 
 
 def _number(body: dict, name: str, default, *, low=None, high=None, integer=False, open_low=False):
@@ -187,7 +220,7 @@ def _number(body: dict, name: str, default, *, low=None, high=None, integer=Fals
     if value is None:
         return default
     ok = isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
-    ok = ok and (integer or math.isfinite(value))
+    ok = ok and (integer or _finite(value))
     if ok and low is not None:
         ok = value > low if open_low else value >= low
     if ok and high is not None:
@@ -196,7 +229,7 @@ def _number(body: dict, name: str, default, *, low=None, high=None, integer=Fals
         kind = "an integer" if integer else "a number"
         lo = "" if low is None else f" {'>' if open_low else '>='} {low}"
         hi = "" if high is None else f"{' and' if lo else ''} <= {high}"
-        raise BadRequest(f"'{name}' must be {kind}{lo}{hi}, got {value!r}", name)
+        raise BadRequest(f"'{name}' must be {kind}{lo}{hi}, got {_shown(value)}", name)
     return value
 
 
@@ -211,15 +244,101 @@ def _stop_strings(body: dict) -> tuple[str, ...]:
 
 
 def _message_text(message, i: int) -> str:
-    """A message's content: a string, or a list of text parts joined."""
+    """A message's content: a string, or a list of text parts joined (an assistant's tool-call turn: none, "")."""
     content = message.get("content")
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
+    if content is None and message.get("tool_calls"):
+        return ""
     raise BadRequest(f"'messages[{i}].content' must be a string or a list of text parts, got {content!r}",
                      f"messages[{i}].content")
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant's ``tool_calls`` checked, each call's ``arguments`` (OpenAI's JSON text) parsed to the object
+    chat templates take (vLLM hands them over so)."""
+    if not isinstance(calls, list):
+        raise BadRequest(f"'{where}' must be a list of tool calls, got {calls!r}", where)
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise BadRequest(f"'{at}' must be an object with \"type\": \"function\" and a 'function' "
+                             f"{{name, arguments}}, got {call!r}", at)
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"'{at}.function.name' must be a non-empty string", f"{at}.function.name")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"'{at}.function.arguments' must be a JSON object (as a string, as OpenAI sends it), "
+                             f"got {function.get('arguments')!r}", f"{at}.function.arguments")
+        if (hit := _surrogate(arguments, f"{at}.function.arguments")) is not None:
+            raise BadRequest(f"'{hit}' holds a lone UTF-16 surrogate, which is not text", hit)
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
+
+
+def _turn(message, i: int) -> dict:
+    """A message checked and put as chat templates take it: its role and content, an assistant's tool calls, a
+    tool result's ``tool_call_id``, a ``name``."""
+    where = f"messages[{i}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"'{where}' must be an object with a string 'role'", where)
+    role = message["role"]
+    if role not in ROLES:
+        raise BadRequest(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+    turn = {"role": role, "content": _message_text(message, i)}
+    if message.get("tool_calls") is not None:
+        if role != "assistant":
+            raise BadRequest(f"'{where}.tool_calls': only an assistant's message makes tool calls, this one is "
+                             f"{role!r}", f"{where}.tool_calls")
+        turn["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise BadRequest(f"'{where}.tool_call_id' must be the id of the tool call this message answers",
+                             f"{where}.tool_call_id")
+        turn["tool_call_id"] = message["tool_call_id"]
+    if message.get("name") is not None:
+        if not isinstance(message["name"], str):
+            raise BadRequest(f"'{where}.name' must be a string", f"{where}.name")
+        turn["name"] = message["name"]
+    return turn
+
+
+def _raw(turn: dict) -> str:
+    """A turn as text for a tokenizer without a chat template: its content, or its tool calls as JSON lines."""
+    calls = [json.dumps(c["function"]) for c in turn.get("tool_calls", ())]
+    return "\n".join(([turn["content"]] if turn["content"] or not calls else []) + calls)
+
+
+def _tools(tools) -> list | None:
+    """``tools`` checked: OpenAI's function tools, each ``{"type": "function", "function": {"name", ...}}``."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest(f"'tools' must be a list of tool objects, got {tools!r}", "tools")
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise BadRequest(f"'{at}' must be a tool object, got {tool!r}", at)
+        if tool.get("type") != "function":
+            raise BadRequest(f"'{at}.type' must be \"function\" (the only tool type), got {tool.get('type')!r}",
+                             f"{at}.type")
+        function = tool.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise BadRequest(f"'{at}.function' must be an object with a non-empty 'name' (and 'description', "
+                             f"'parameters'), got {function!r}", f"{at}.function")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise BadRequest(f"'{at}.function.parameters' must be a JSON Schema object", f"{at}.function.parameters")
+    return tools
 
 
 def _bounded(text: str, max_chars: int, max_model_len: int, field: str) -> str:
@@ -239,12 +358,9 @@ def encode_chat(tokenizer, messages, template_kwargs: dict, *, max_chars: int, m
     ``max_chars`` characters, in the contents or rendered, is refused before any tokenizing."""
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
-    turns = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"'messages[{i}]' must be an object with a string 'role'", f"messages[{i}]")
-        turns.append({"role": m["role"], "content": _message_text(m, i)})
-    _bounded("".join(t["content"] for t in turns), max_chars, max_model_len, "messages")
+    turns = [_turn(m, i) for i, m in enumerate(messages)]
+    raw = [_raw(t) for t in turns]
+    _bounded("".join(raw), max_chars, max_model_len, "messages")
     if getattr(tokenizer, "chat_template", None):
         extra = {"tools": tools} if tools else {}
         try:
@@ -253,7 +369,7 @@ def encode_chat(tokenizer, messages, template_kwargs: dict, *, max_chars: int, m
         except Exception as e:  # the template's own error (jinja raises its own types): the caller's input
             raise BadRequest(f"the chat template failed on these messages: {e}", "messages") from None
     else:
-        text = "\n".join(t["content"] for t in turns)
+        text = "\n".join(raw)
     return list(tokenizer.encode(_bounded(text, max_chars, max_model_len, "messages"), add_special_tokens=False))
 
 
@@ -264,7 +380,7 @@ def _prompt_ids(served: Served, body: dict, chat: bool) -> list[int]:
         if not isinstance(kwargs, dict):
             raise BadRequest("'chat_template_kwargs' must be an object", "chat_template_kwargs")
         return encode_chat(tok, body.get("messages"), kwargs, max_chars=served.max_prompt_chars,
-                           max_model_len=served.max_model_len, tools=body.get("tools"))
+                           max_model_len=served.max_model_len, tools=_tools(body.get("tools")))
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -322,7 +438,8 @@ def parse(served: Served, body, chat: bool) -> Ask:
         max_tokens = limit - len(prompt) if chat else min(COMPLETION_DEFAULT_MAX_TOKENS, limit - len(prompt))
     if len(prompt) + max_tokens > limit:
         raise BadRequest(f"This model's maximum context length is {limit} tokens; you requested "
-                         f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in '{name}')", name)
+                         f"{_shown(len(prompt) + max_tokens)} ({len(prompt)} in the prompt, {_shown(max_tokens)} in "
+                         f"'{name}')", name)
     vocab = served.engine.loop.cfg.vocab_size
     temperature = _number(body, "temperature", 1.0, low=0)
     try:
@@ -374,7 +491,8 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
 async def _run(served: Served, ask: Ask, request: Request):
     """Runs ``ask`` on the engine: yields (text delta, None) as text settles, then ("", Finish) once. A client
     that leaves cancels the job: a whole response's client is watched for its disconnect; a stream's is
-    checked whenever ``DISCONNECT_POLL_S`` passed (and its response fails to send)."""
+    checked whenever ``DISCONNECT_POLL_S`` passed (and its response fails to send). A job the engine left
+    unanswered when it failed ends as "abort" then."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
     reader = Reader(served.tokenizer, ask.stop, loop, queue)
@@ -395,6 +513,8 @@ async def _run(served: Served, ask: Ask, request: Request):
                 delta, finish = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except TimeoutError:
                 delta, finish = "", None
+                if request.app.state.engine_failed and queue.empty():
+                    finish = Finish("abort", job.sent, *job.figures(job.sent))
             if ask.stream and time.monotonic() - checked >= DISCONNECT_POLL_S:
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -411,8 +531,10 @@ async def _run(served: Served, ask: Ask, request: Request):
 
 
 def _usage(ask: Ask, finish: Finish) -> dict:
+    """OpenAI's usage, with the prompt tokens the engine took from its prefix cache (``cached_tokens``)."""
     return {"prompt_tokens": len(ask.prompt), "completion_tokens": finish.tokens,
-            "total_tokens": len(ask.prompt) + finish.tokens}
+            "total_tokens": len(ask.prompt) + finish.tokens,
+            "prompt_tokens_details": {"cached_tokens": getattr(finish, "cached", 0)}}
 
 
 def _meta_info(served: Served, ask: Ask, finish: Finish, rid: str) -> dict:
@@ -435,26 +557,42 @@ def _sse(payload) -> str:
     return f"data: {json.dumps(payload) if not isinstance(payload, str) else payload}\n\n"
 
 
-async def _body(request: Request, cap: int) -> bytes:
-    """The request's body, refused (413) once it is over ``cap`` bytes: by its Content-Length, else as it arrives."""
+class Gone(Exception):
+    """The client left before its request was whole: nothing to answer."""
+
+
+async def _body(request: Request, cap: int, timeout: float | None) -> bytes:
+    """The request's body, refused (413) once it is over ``cap`` bytes: by its Content-Length, else as it arrives;
+    a 408 (and the connection closed) when it is not whole ``timeout`` seconds after the headers (None: no bound);
+    ``Gone`` when the client leaves first."""
     length = request.headers.get("content-length", "")
     too_big = BadRequest(f"the request body is over {cap} bytes (the most a prompt that fits --max-model-len "
                          f"{request.app.state.served.max_model_len} can take)", status=413)
     if length.isdigit() and int(length) > cap:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > cap:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > cap:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {timeout:g} s of its headers ({size} bytes "
+                         f"came; --read-timeout)", status=408, headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        client = request.client
+        log.info("a client%s left after %d bytes of its request's body: nothing to answer",
+                 f" ({client.host}:{client.port})" if client else "", size)
+        raise Gone from None
     return b"".join(chunks)
 
 
 def _parse_body(served: Served, raw: bytes, chat: bool) -> Ask:
     """The body's JSON checked and its prompt encoded (on the request worker thread)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=_json_int)
         return parse(served, body, chat)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BadRequest(f"the request body is not valid JSON: {e}") from None
@@ -465,7 +603,7 @@ def _parse_body(served: Served, raw: bytes, chat: bool) -> Ask:
 async def _complete(request: Request, chat: bool) -> Response:
     served: Served = request.app.state.served
     try:
-        raw = await _body(request, served.max_body_bytes)
+        raw = await _body(request, served.max_body_bytes, request.app.state.read_timeout)
         ask = await asyncio.get_running_loop().run_in_executor(request.app.state.worker, _parse_body, served, raw,
                                                                chat)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -474,6 +612,8 @@ async def _complete(request: Request, chat: bool) -> Response:
         first = await anext(events)  # submits: a full queue is a 503 before any response starts
     except BadRequest as e:
         return _error(e.status, str(e), e.param, e.headers)
+    except Gone:
+        return Response(status_code=400)  # never sent: its client is gone
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
             "model": served.model_name}
 
@@ -543,6 +683,9 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """200 while the engine runs; 503 once it failed (the server is then stopping)."""
+    if request.app.state.engine_failed:
+        return _error(503, "the engine failed (see the server's log); the server is stopping")
     return Response(status_code=200)
 
 
@@ -550,13 +693,28 @@ async def stats(request: Request) -> Response:
     return JSONResponse(request.app.state.served.engine.stats())
 
 
+async def _watch_engine(app: Starlette, thread) -> None:
+    """Waits for the engine's thread to end; ended while serving (the engine failed: it logged why and answered
+    every request "abort"), fails ``/health`` and calls ``app.state.on_engine_failure`` (``server.make``: stop)."""
+    await asyncio.to_thread(thread.join)
+    if not app.state.stopping:
+        app.state.engine_failed = True
+        log.error("the engine failed: /health answers 503 and the server stops")
+        app.state.on_engine_failure()
+
+
 def create_app(served: Served) -> Starlette:
-    """The ASGI app over ``served``; the engine is started on startup and drained on shutdown."""
+    """The ASGI app over ``served``; the engine is started on startup and drained on shutdown, and watched
+    between (``_watch_engine``). ``app.state.read_timeout``: the body's bound (``server.make`` sets both it and
+    ``on_engine_failure``)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         served.engine.start()
+        watcher = asyncio.create_task(_watch_engine(app, served.engine._thread))
         yield
+        app.state.stopping = True
         await asyncio.to_thread(served.engine.close, True)
+        await watcher
         app.state.worker.shutdown(wait=False)
 
     app = Starlette(routes=[
@@ -567,6 +725,8 @@ def create_app(served: Served) -> Starlette:
         Route("/stats", stats, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.served = served
+    app.state.read_timeout, app.state.on_engine_failure = None, lambda: None
+    app.state.stopping = app.state.engine_failed = False
     # every request's JSON and tokenizing, off the event loop, on a few threads (a fast tokenizer's encode
     # only reads its settings when they are unchanged, so encodes may overlap; a prompt is at most
     # ``max_prompt_chars`` characters, so no request holds a thread long)
