@@ -60,3 +60,14 @@ def test_the_docs_name_commands_as_they_are_now():
                 if not ok:
                     stale.append(f"{path.name}:{line_no}: {match.group(0)}")
     assert not stale, "\n".join(stale)
+
+
+def test_build_md_cpu_block_installs_what_the_readme_installs():
+    """A newcomer who follows BUILD.md's CPU block gets what README's two commands install (z-lab's dflash too)."""
+    readme = README.read_text()
+    first = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+    installs = {" ".join(p.split()) for line in first.splitlines() for p in line.split("&&") if "pip install" in p}
+    build = (README.parent / "BUILD.md").read_text()
+    cpu = re.search(r"## CPU.*?```bash\n(.*?)```", build, re.S).group(1)
+    lines = {" ".join(line.split("#")[0].split()) for line in cpu.splitlines()}
+    assert installs and installs <= lines, installs - lines

@@ -270,9 +270,14 @@ def cmd_generate(args) -> int:
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i + 1} encodes to no tokens")
-    target, drafter = frontend.load_models(req.model_dir, req.draft_dir, [req.method], dtype=frontend.DTYPES[dtype],
-                                          progress=not args.quiet, mesh=mesh,
-                                          draft_window=getattr(args, "draft_window", None))
+    auto = req.method.kind == "dflash" and req.method.tree is None and not args.method and auto_block(args)
+    folders = {req.method: req.draft_dir} if req.method.kind == "dflash" else {}
+    if auto and not (args.model or args.draft_model or args.speculative_config):  # the shipped pair: auto weighs
+        folders[frontend.Method("dflash", 2, dflash2=True)] = frontend.ASSETS / "dflash2"  # its DFlash2 drafter too
+    target, drafters = frontend.load_target_and_drafters(
+        req.model_dir, folders, [req.method, *folders], dtype=frontend.DTYPES[dtype], progress=not args.quiet,
+        mesh=mesh, draft_window=getattr(args, "draft_window", None))
+    drafter = drafters.get(req.method)
     if req.method.kind == "mtp" and not frontend.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {req.model_dir} has none")
     if req.note and not args.quiet:
@@ -281,18 +286,18 @@ def cmd_generate(args) -> int:
     for i, p in enumerate(prompts):
         if (message := position_warning(target.cfg, [len(p)], args.max_new_tokens)) is not None:
             print(f"dflash-jax: warning: prompt {i + 1}: {message}", file=sys.stderr, flush=True)
-    choice = None
-    if req.method.kind == "dflash" and req.method.tree is None and not args.method and auto_block(args):
-        # --block-size auto: the block chosen by cost
-        choice, _ = step_cost.choose(target, drafter, prompts, batch=len(prompts), draft_dir=req.draft_dir,
-                                     key=(str(req.model_dir), str(req.draft_dir), dtype),
-                                     max_new_tokens=args.max_new_tokens, sampling=req.sampling, seed=args.seed,
-                                     mesh=mesh, progress=None if args.quiet else lambda m: print(
-                                         f"[block size auto: {m}…]", file=sys.stderr, flush=True))
-        chosen = frontend.AR if choice.block == 1 else frontend.Method("dflash", choice.block)
-        req = dataclasses.replace(req, method=chosen)
+    choice = choices = None
+    if auto:  # --block-size auto: the block (and with the shipped pair, the drafter) chosen by cost
+        choice, choices, why = auto_choice(args, req, target, drafters, folders, prompts, dtype, mesh)
+        weighed = list(folders)[choices.index(choice)]  # the drafter whose block won
+        drafter = drafters[weighed]
+        req = dataclasses.replace(req, method=frontend.AR if choice.block == 1 else frontend.Method(
+            "dflash", choice.block, dflash2=weighed.dflash2))
         if not args.quiet:
-            print(f"[{choice.reason()}]", file=sys.stderr, flush=True)
+            for each in choices:
+                print(f"[{each.reason()}]", file=sys.stderr, flush=True)
+            if len(choices) > 1:
+                print(f"[{why}]", file=sys.stderr, flush=True)
     proposer, pparams = frontend.proposer_for(req.method, target, drafter)
     kw = dict(drafter=None if req.method == frontend.AR else (proposer, pparams), block_size=req.method.block,
               max_new_tokens=args.max_new_tokens, sampling=req.sampling, stop_ids=req.stop_ids, rng=args.seed,
@@ -321,7 +326,8 @@ def cmd_generate(args) -> int:
         print(json.dumps(dict(model=str(req.model_dir), drafter=None if drafter is None else str(req.draft_dir),
                               method=req.method.name, block=req.method.block, dtype=dtype,
                               backend=jax.default_backend(), completions=records, timings=timings,
-                              block_choice=choice and choice.as_dict()), indent=1))
+                              block_choice=choice and choice.as_dict(),
+                              block_choices=choices and [c.as_dict() for c in choices]), indent=1))
     bad = [i + 1 for i, r in enumerate(records) if r["finish_reason"] == "nonfinite"]
     if bad:
         print(f"dflash-jax: error: prompt {', '.join(map(str, bad))}: the target's logits became non-finite (NaN or "
@@ -329,6 +335,31 @@ def cmd_generate(args) -> int:
               f"(bfloat16 overflows sooner) or a larger --temperature.", file=sys.stderr)
         return 1
     return 0
+
+
+def auto_choice(args, req: Request, target, drafters: dict, folders: dict, prompts, dtype: str, mesh):
+    """(the choice, every drafter's choice, the line weighing them) of ``--block-size auto``: each drafter of
+    ``drafters`` ({DFlash method: drafter}, folders ``folders``) weighs its chains (``step_cost.choose``; plain
+    decoding timed once, with the first), within one ``step_cost.BUDGET`` in all; ``blocksize.weigh`` picks."""
+    import time
+
+    from dflash_jax.decoding import blocksize
+
+    start, choices = time.perf_counter(), []
+    for method, folder in folders.items():
+        family = "dflash2" if drafters[method].cfg.dflash2 else "dflash"
+        blocks = blocksize.candidate_blocks(drafters[method].cfg.block_size)
+        choice, _ = step_cost.choose(
+            target, drafters[method], prompts, batch=len(prompts), draft_dir=folder,
+            key=(str(req.model_dir), str(folder), dtype), max_new_tokens=args.max_new_tokens, sampling=req.sampling,
+            seed=args.seed, mesh=mesh, blocks=blocks if not choices else blocks[1:], family=family,
+            size_smallest=not choices,
+            spent_before=time.perf_counter() - start,
+            progress=None if args.quiet else lambda m, f=family: print(
+                f"[block size auto: {'' if f == 'dflash' else f + ': '}{m}…]", file=sys.stderr, flush=True))
+        choices.append(choice)
+    best, why = blocksize.weigh(choices)
+    return best, choices, why
 
 
 def block_size_flag(text: str) -> int | None:

@@ -16,11 +16,14 @@ shorter than the calibrated one is assumed to accept its first drafts as the lon
 drafts a block at once, so a draft sees the masked positions after it: the approximation is that they
 change little).
 
-Draft trees (``ddtree:N``) are not among the candidates: a given tree is kept as given. The chain's rule reads
-every block's E[tokens] from one calibration (a_k at the largest block); a tree's depends on the drafter's
-whole per-depth distributions, so each budget N would need a calibration run of its own besides the timing of
-its N + 1-token step: a compilation and a full run per budget, more than the 30 s the choice may take (the
-chains alone use ~21 s of it for the shipped pair on 2 quiet cores).
+Each drafter weighs its own chains (``Choice.family``: ``dflash:B``, ``dflash2:B``); ``weigh`` takes the best
+of several (``generate`` with the shipped pair weighs the DFlash and the DFlash2 drafter) and says, in one
+line, what a step of each commits and what it costs in plain steps here, so a choice of plain decoding is
+explained by the numbers. Draft trees (``ddtree:N``) are not among the candidates: a given tree is kept as
+given. The chain's rule reads every block's E[tokens] from one calibration (a_k at the largest block); a
+tree's depends on the drafter's whole per-depth distributions, so each budget N would need a calibration run
+of its own besides the timing of its N + 1-token step: a compilation and a full run per budget, more than the
+30 s the choice may take (the chains alone use ~21 s of it for the shipped pair on 2 quiet cores).
 """
 
 from __future__ import annotations
@@ -78,39 +81,67 @@ class Choice:
 
     block: int
     batch: int
-    expected: dict[int, float]  # block -> E[tokens per row per step]
-    costs: dict[int, float]  # block -> seconds per step (all rows)
+    expected: dict[int, float]  # block -> E[tokens per row per step], every candidate (timed or not)
+    costs: dict[int, float]  # block -> seconds per step (all rows), the timed candidates
     source: str  # where the acceptance came from, for the printout
+    family: str = "dflash"  # the drafter's methods: dflash:B, or dflash2:B
+
+    def name(self, block: int) -> str:
+        """The method of ``block``: ar (1), else ``family:block``."""
+        return "ar" if block == 1 else f"{self.family}:{block}"
 
     def tokens_per_s(self, block: int) -> float:
-        """Expected output tokens per second at ``block``, over all rows."""
+        """Expected output tokens per second at ``block`` (a timed one), over all rows."""
         return self.batch * self.expected[block] / self.costs[block]
 
     def reason(self) -> str:
-        """One line: the choice, then each candidate's expected tokens/step, ms/step and tokens/s."""
-        each = ", ".join(f"{b}: {self.expected[b]:.2f} tok/step / {self.costs[b] * 1e3:.2f} ms = "
-                         f"{self.tokens_per_s(b):.0f} tok/s" for b in sorted(self.costs))
-        return (f"block size auto: {self.block} ({self.block - 1} speculative tokens) at batch {self.batch}, "
-                f"the most expected tokens/s [{each}]; acceptance {self.source}")
+        """One line: the choice, then each candidate's expected tokens/step, and where timed its ms/step and
+        tokens/s."""
+        each = ", ".join(f"{self.name(b)}: {self.expected[b]:.2f} tok/step / {self.costs[b] * 1e3:.2f} ms = "
+                         f"{self.tokens_per_s(b):.0f} tok/s" if b in self.costs else
+                         f"{self.name(b)}: {self.expected[b]:.2f} tok/step (not timed)" for b in sorted(self.expected))
+        return (f"block size auto: {self.name(self.block)} ({self.block - 1} speculative tokens) at batch "
+                f"{self.batch}, the most expected tokens/s [{each}]; acceptance {self.source}")
 
     def as_dict(self) -> dict:
-        return dict(block=self.block, batch=self.batch, source=self.source,
+        return dict(block=self.block, method=self.name(self.block), batch=self.batch, source=self.source,
                     expected={str(b): round(v, 4) for b, v in sorted(self.expected.items())},
                     step_ms={str(b): round(v * 1e3, 4) for b, v in sorted(self.costs.items())},
                     tokens_per_s={str(b): round(self.tokens_per_s(b), 2) for b in sorted(self.costs)})
 
 
-def choose_block(acceptance, costs: dict[int, float], *, batch: int = 1, source: str = "given") -> Choice:
+def choose_block(acceptance, costs: dict[int, float], *, batch: int = 1, source: str = "given", blocks=(),
+                 family: str = "dflash") -> Choice:
     """The block of ``costs`` (block -> measured seconds per step at this batch) with the most expected
-    tokens per second under ``acceptance`` (a_k, k = 1 ..); a tie goes to the smaller block."""
+    tokens per second under ``acceptance`` (a_k, k = 1 ..); a tie goes to the smaller block. ``blocks``: the
+    candidates left untimed too, whose expected tokens the choice still reports."""
     if not costs:
         raise ValueError("no step costs to choose a block from")
     bad = {b: c for b, c in costs.items() if not (isinstance(c, float | int) and math.isfinite(c) and c > 0)}
     if bad:
         raise ValueError(f"step costs must be finite seconds > 0, got {bad}")
-    expected = {b: expected_tokens(acceptance, b) for b in costs}
+    expected = {b: expected_tokens(acceptance, b) for b in {*costs, *blocks}}
     best = min(costs, key=lambda b: (-expected[b] / costs[b], b))
-    return Choice(block=best, batch=batch, expected=expected, costs=dict(costs), source=source)
+    return Choice(block=best, batch=batch, expected=expected, costs=dict(costs), source=source, family=family)
+
+
+def weigh(choices: list[Choice]) -> tuple[Choice, str]:
+    """The choice with the most expected tokens/s among ``choices`` (one per drafter, each over its own blocks; a
+    tie goes to the first), and one line with the numbers behind it: the most a step of each drafter commits
+    (its largest block's expected tokens) and, where plain decoding was timed, what each drafter's best timed
+    block costs in plain steps here. On a CPU whose caches hold the target a 16-token verify costs about 16
+    plain steps, so plain decoding wins even where a step commits 6 tokens: the line shows it."""
+    best = max(choices, key=lambda c: c.tokens_per_s(c.block))
+    plain = next((c.costs[1] for c in choices if 1 in c.costs), None)
+    commits = ", ".join(f"{c.name(top)} {c.expected[top]:.2f}" for c in choices if (top := max(c.expected)) > 1)
+    line = (f"block size auto: {best.name(best.block)} at batch {best.batch}, {best.tokens_per_s(best.block):.0f} "
+            f"tok/s expected; tokens a step commits: ar 1.00, {commits}")
+    if plain is not None:
+        timed = [(c, max(b for b in c.costs if b > 1)) for c in choices if any(b > 1 for b in c.costs)]
+        if timed:
+            line += "; a step costs " + ", ".join(f"{c.name(b)} {c.costs[b] / plain:.1f}x plain's "
+                                                   f"({c.tokens_per_s(b):.0f} tok/s)" for c, b in timed)
+    return best, line
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,11 +76,14 @@ def rows_for(prompts: list[list[int]], batch: int) -> list[list[int]]:
 def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, max_new_tokens: int,
             sampling: SamplingConfig = SamplingConfig(), calibrate: bool = False, acceptance=None, seed: int = 0,
             mesh=None, steps: int = STEPS, repeats: int = REPEATS, clock=time.perf_counter,
-            budget: float | None = None, progress=None) -> StepCosts:
+            budget: float | None = None, progress=None, size_smallest: bool = True) -> StepCosts:
     """Seconds per loop step at each of ``blocks`` that can win for ``batch`` rows of ``prompts`` (see the module
     doc); ``calibrate``: also the largest block's histogram of accepted drafts over a whole run, first;
     ``acceptance`` (a_k, from a card) or the calibration's lets it leave out blocks that cannot win. ``budget``
-    (seconds, None: none) bounds the measurement as the module doc says; ``progress(message)`` hears each phase."""
+    (seconds, None: none) bounds the measurement as the module doc says; ``progress(message)`` hears each phase.
+    ``size_smallest``: the smallest block is compiled and sized even past the budget (so that there is a choice);
+    False where another drafter's choice already timed plain decoding and a block the calibration compiled will do.
+    """
     if steps < 2 or repeats < 1:
         raise ValueError(f"steps must be >= 2 and repeats >= 1, got {steps} and {repeats}")
     start = clock()
@@ -123,7 +126,7 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
                 PRUNE * max(at_least.values()) * max(expected(b) / c for b, c in at_most.items()):
             untimed.append(block)
             continue
-        if at_most and block not in compiled and spent():
+        if block not in compiled and spent() and (at_most or not size_smallest and compiled):
             over_budget.append(block)
             continue
         say(f"sizing block {block} at batch {batch}: "
@@ -153,10 +156,14 @@ def measure(target, drafter, prompts: list[list[int]], *, batch: int, blocks, ma
 
 def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_dir, max_new_tokens: int,
            sampling: SamplingConfig = SamplingConfig(), seed: int = 0, mesh=None,
-           blocks=None, budget: float | None = BUDGET, progress=None) -> tuple[blocksize.Choice, StepCosts]:
+           blocks=None, budget: float | None = BUDGET, progress=None,
+           family: str = "dflash", size_smallest: bool = True,
+           spent_before: float = 0.0) -> tuple[blocksize.Choice, StepCosts]:
     """The block ``auto`` picks for ``batch`` rows (``blocksize.choose_block``): acceptance from the card in
     ``draft_dir`` (when it was recorded for its weights at this temperature) or calibrated here, costs measured here (or
-    remembered: ``key`` names the models, e.g. their folders and dtype)."""
+    remembered: ``key`` names the models, e.g. their folders and dtype). ``family``: the drafter's methods'
+    name (``dflash``, ``dflash2``), for the reason line; ``size_smallest``: as ``measure`` takes it;
+    ``spent_before``: seconds of ``budget`` that earlier choices (other drafters') already used."""
     blocks = tuple(blocks or blocksize.candidate_blocks(drafter.cfg.block_size))
     card = blocksize.read_card(draft_dir) if draft_dir is not None else None
     unused = None if card is None else ("recorded for other weights" if not card.fits(draft_dir) else
@@ -171,7 +178,8 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
     else:
         costs = measure(target, drafter, prompts, batch=batch, blocks=blocks, max_new_tokens=max_new_tokens,
                         sampling=sampling, calibrate=card is None, acceptance=None if card is None else card.acceptance,
-                        seed=seed, mesh=mesh, budget=budget, progress=progress)
+                        seed=seed, mesh=mesh, budget=None if budget is None else max(budget - spent_before, 0.0),
+                        progress=progress, size_smallest=size_smallest)
         _MEMO[memo_key] = costs
     if card is not None:
         acceptance, source = card.acceptance, f"from {blocksize.CARD} ({card.prompts})"
@@ -182,7 +190,8 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
         source = f"calibrated on these prompts ({sum(costs.histogram)} steps at block {max(blocks)})"
     if unused:
         source += f" ({blocksize.CARD} unused: {unused})"
-    timing = "remembered" if costs.cached else f"measured in {costs.seconds:.1f} s, {costs.compiled} programs compiled"
+    timing = "remembered" if costs.cached else (f"measured in {costs.seconds:.1f} s, {costs.compiled} "
+                                                f"program{'s' * (costs.compiled != 1)} compiled")
     if costs.untimed:
         timing += (f"; block{'s' * (len(costs.untimed) > 1)} {', '.join(map(str, costs.untimed))} not timed: under "
                    f"{PRUNE:.0%} of the best even at a smaller block's step cost")
@@ -193,5 +202,5 @@ def choose(target, drafter, prompts: list[list[int]], *, batch: int, key, draft_
     if costs.rounds < REPEATS and not costs.cached:
         timing += f"; {costs.rounds} timed round{'s' * (costs.rounds > 1)} of {REPEATS} (the budget)"
     choice = blocksize.choose_block(acceptance[:max(blocks) - 1], costs.costs, batch=batch,
-                                    source=f"{source}; step costs {timing}")
+                                    source=f"{source}; step costs {timing}", blocks=blocks, family=family)
     return choice, costs

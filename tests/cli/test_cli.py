@@ -32,13 +32,14 @@ def test_generate_streams_and_summarises_on_the_shipped_models(capsys):
     assert cli.main(["generate", "def fibonacci(n):", "--max-new-tokens", "16", "--repeats", "1"]) == 0
     out, err = capsys.readouterr()
     assert out.startswith("def fibonacci(n):")
-    # --block-size auto (the default) chose the block by cost, said why in one line, and used it
+    # --block-size auto (the default) weighed both shipped drafters by cost, said why, and used the choice
     said = [line for line in err.splitlines() if line.startswith("[block size auto: ")]
-    *progress, why = said  # the phases as they start (calibration, sizing, timing), then the choice
+    *progress, dflash, dflash2, why = said  # the phases as they start, each drafter's choice, then the weighing
     assert progress[0].startswith("[block size auto: calibrating")
-    assert progress[-1].startswith("[block size auto: timing")
-    block = int(why.split()[3])
-    assert f"finish length, {'ar' if block == 1 else f'dflash:{block}'}, tau" in out
+    assert any(line.startswith("[block size auto: dflash2: calibrating") for line in progress)
+    assert "dflash:16: " in dflash and "dflash2:16: " in dflash2  # what each commits a step, timed or not
+    assert why.startswith("[block size auto: ") and "tokens a step commits: ar 1.00, dflash:16 " in why
+    assert f"finish length, {why.split()[3]}, tau" in out
     assert "decode-only" in out and "tok/s" in out and "speed-up" in out and "end to end" in out
     assert "ceiling on this machine at tau" in out and "compile (apart)" in out and "WARNING" not in out
 

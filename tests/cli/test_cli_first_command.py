@@ -75,4 +75,21 @@ def test_the_reason_line_names_the_blocks_the_budget_left_out(tiny_pair, monkeyp
     assert "blocks 2, 4, 8 not timed: the 60 s budget of the choice was spent" in choice.reason()
     assert "1 timed round of 5 (the budget)" in choice.reason()
     assert choice == blocksize.choose_block(blocksize.acceptance_from_histogram(costs.histogram)[:15], costs.costs,
-                                            batch=1, source=choice.source)
+                                            batch=1, source=choice.source, blocks=(1, 2, 4, 8, 16))
+    assert "dflash:4: " in choice.reason() and "(not timed)" in choice.reason()  # untimed: what a step commits
+
+
+def test_a_second_drafter_past_the_budget_times_only_what_its_calibration_compiled(tiny_pair, monkeypatch):
+    """generate's auto weighs the shipped DFlash2 drafter after the DFlash one within one budget: once it is
+    spent, the second drafter's calibration still runs (what a step commits is the point) and its largest block,
+    compiled by it, is timed; no further block is compiled."""
+    target, drafter = tiny_pair
+    device = BusyDevice({2: 0.011, 4: 0.012, 8: 0.013, 16: 0.014})
+    monkeypatch.setattr(step_cost.blocksize, "run_steps", device.run_steps)
+    real = step_cost.measure
+    monkeypatch.setattr(step_cost, "measure", lambda *a, **k: real(*a, **k, clock=device.clock))
+    choice, costs = step_cost.choose(target, drafter, [[5, 6, 7]], batch=1, key=("busy", "second"), draft_dir=None,
+                                     max_new_tokens=8, blocks=(2, 4, 8, 16), family="dflash2", size_smallest=False,
+                                     spent_before=step_cost.BUDGET)
+    assert set(costs.costs) == {16} and costs.over_budget == (2, 4, 8) and costs.compiled == 1
+    assert choice.block == 16 and "dflash2:2: " in choice.reason() and "the 30 s budget" in choice.reason()

@@ -55,10 +55,28 @@ def test_batch_1_and_batch_32_choose_different_blocks_when_the_costs_say_so():
     assert one.tokens_per_s(16) == pytest.approx(4.8592 / 1.2, rel=1e-4)
     assert many.tokens_per_s(4) == pytest.approx(32 * 2.952 / 2.2, rel=1e-4)
     line = many.reason()
-    assert "\n" not in line and line.startswith("block size auto: 4 (3 speculative tokens) at batch 32")
-    assert "4: 2.95 tok/step / 2200.00 ms = 43 tok/s" in line and "acceptance synthetic" in line
+    assert "\n" not in line and line.startswith("block size auto: dflash:4 (3 speculative tokens) at batch 32")
+    assert "dflash:4: 2.95 tok/step / 2200.00 ms = 43 tok/s" in line and "acceptance synthetic" in line
     doc = many.as_dict()
-    assert doc["block"] == 4 and doc["step_ms"]["16"] == 7000.0 and doc["expected"]["1"] == 1.0
+    assert doc["block"] == 4 and doc["method"] == "dflash:4" and doc["step_ms"]["16"] == 7000.0
+    assert doc["expected"]["1"] == 1.0
+
+
+def test_untimed_blocks_still_say_what_a_step_commits_and_weigh_explains_plain_decoding():
+    """``--block-size auto`` on a CPU whose caches hold the target: a 16-token step costs ~15 plain steps, so plain
+    decoding wins although a DFlash2 step commits 7.5 tokens; every drafter's line and the weighing say so."""
+    dflash = blocksize.choose_block(ACCEPT, {1: 1.0, 2: 8.0}, blocks=(1, 2, 4, 8, 16), source="s")
+    assert "dflash:16: 4.86 tok/step (not timed)" in dflash.reason() and dflash.block == 1
+    six = (0.95,) * 4 + (0.8,) * 11  # E[tokens | 16] = 7.5
+    dflash2 = blocksize.choose_block(six, {2: 8.0, 16: 15.0}, blocks=(2, 4, 8, 16), family="dflash2", source="s")
+    assert dflash2.block == 16 and dflash2.name(16) == "dflash2:16" and dflash2.name(1) == "ar"
+    best, line = blocksize.weigh([dflash, dflash2])
+    assert best is dflash and "\n" not in line
+    assert line.startswith("block size auto: ar at batch 1, 1 tok/s expected; tokens a step commits: ar 1.00, "
+                           "dflash:16 4.86, dflash2:16 7.50; ")
+    assert line.endswith("a step costs dflash:2 8.0x plain's (0 tok/s), dflash2:16 15.0x plain's (1 tok/s)")
+    cheap = blocksize.choose_block(six, {2: 0.5, 16: 0.9}, blocks=(2, 16), family="dflash2")
+    assert blocksize.weigh([dflash, cheap])[0] is cheap  # a DFlash2 step at ~plain's cost: it wins
 
 
 def test_costly_drafting_chooses_plain_decoding_and_ties_go_to_the_smaller_block():
