@@ -16,7 +16,8 @@ at all. ``stop_on_signals`` therefore
   the ``cleanup`` given (the command's claims undone), one line, ``os._exit(128 + signal)``.
 
 A command that installs its own handlers later (``serve``: uvicorn's graceful shutdown) owns those signals: the
-watcher stands aside while the handler installed is not this one.
+watcher stands aside while the handler installed is not this one. A signal the parent left ignored (a script's
+background job: SIGINT) stays ignored.
 """
 
 from __future__ import annotations
