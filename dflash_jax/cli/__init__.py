@@ -49,6 +49,8 @@ GROUPS = {
         "kernels": ("kernel_report", "registers, spills, LDS and MFMA of each kernel (AMD)"),
         "kernel-bench": ("kernel_bench", "each kernel timed against its reference (GPU only)"),
         "serve-bench": ("serve_bench", "running servers side by side: tok/s, TTFT, latency"),
+        "serve-sweep": ("serve_sweep", "running servers' tok/s by concurrency with z-lab's client"),
+        "miniature": ("miniature", "write a servable random-weight pair with a set acceptance"),
         "gpu-check": ("gpu_check", "a first GPU's check: kernels, step times, DFlash at tau 10"),
     },
 }

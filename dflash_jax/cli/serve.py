@@ -2,17 +2,16 @@
 
 Checks the flags and the model configs before any weight loads (the method as ``generate`` chooses it:
 ``--method``, ``--speculative-config``, ``--draft-model``, ``--block-size``) and binds ``--host``/``--port`` (a
-port in use is refused before anything loads), loads the target and proposer through ``frontend.py``, chooses
-the DFlash block by cost for ``--max-num-seqs`` rows as ``generate --block-size auto`` does (unless a block or
-a draft tree is given: auto weighs chains only), builds the engine (``serve/engine.py``) over
-``--max-num-seqs`` slots of ``--max-model-len`` tokens, compiles its programs, and serves the app
+port in use is refused before anything loads), loads the target and proposer through ``frontend.py``, builds the
+engine (``serve/engine.py``) over ``--max-num-seqs`` slots of ``--max-model-len`` tokens, which with
+``--block-size auto`` (the default) chooses the block each step for the rows it runs (``serve/schedule.py``; a
+draft tree as given unless ``--auto-candidates`` names budgets), compiles and times its programs, and serves the app
 (``serve/app.py``) with uvicorn on the bound socket until SIGINT or SIGTERM:
 then it stops taking connections, finishes the requests in flight, and exits.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import sys
@@ -27,11 +26,6 @@ log = logging.getLogger("dflash_jax.serve")
 
 DEFAULT_MAX_MODEL_LEN = 2048
 SHIPPED_NAME = "dflash-jax-shipped"  # the model id of the shipped pair (no --model given)
-# --block-size auto sizes the block on these (greedy, as generate's default; rows cycled to --max-num-seqs)
-SIZING_PROMPTS = ("def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n",
-                  "import os\n\n\ndef list_files(path):\n",
-                  "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n")
-SIZING_NEW_TOKENS = 128
 
 
 def _settings(args):
@@ -81,6 +75,7 @@ def _settings(args):
 def build(args, mesh=None, settings=None):
     """(Served, the app) for the flags (``settings``: ``_settings(args)`` when already checked): models loaded,
     the engine built (and compiled unless --no-warmup)."""
+    from dflash_jax.decoding import blocksize
     from dflash_jax.decoding.loop import SpeculativeLoop
     from dflash_jax.serve.app import Served, create_app
     from dflash_jax.serve.engine import Engine, spec_for
@@ -95,19 +90,23 @@ def build(args, mesh=None, settings=None):
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
-    if method.kind == "dflash" and method.tree is None and _auto_block(args):
-        block = _choose_block(args, target, drafter, tokenizer, draft_dir, max_len, dtype, mesh, model_dir)
-        method = frontend.AR if block == 1 else dataclasses.replace(method, block=block)
-    elif method.tree is not None:
-        log.info("draft trees: %s, as given (--block-size auto weighs chains only); %d tokens verified per row and "
+    options, rows = _speculation(args, method)
+    if method.tree is not None and options is None:
+        log.info("draft trees: %s, as given (--auto-candidates weighs budgets); %d tokens verified per row and "
                  "step, depth <= %d", method.name, method.tree + 1, method.block - 1)
     proposer, pparams = frontend.proposer_for(method, target, drafter)
     loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len, method.tree), mesh)
     params = (target.params, pparams)
     if mesh is not None:
         params = parallel.shard_params(params, mesh, target.cfg, proposer)
+    card = blocksize.read_card(draft_dir) if draft_dir is not None and options else None
     engine = Engine(loop, params, slots=args.max_num_seqs, max_model_len=max_len,
-                    max_queue=args.max_queue_len or 4 * args.max_num_seqs)
+                    max_queue=args.max_queue_len or 4 * args.max_num_seqs, options=options, rows=rows,
+                    prior=card.acceptance if card is not None and card.fits(draft_dir) else None)
+    if options:
+        log.info("speculation by load: each step runs %s over the running rows' bucket of %s; the step costs are "
+                 "timed at warm-up", " or ".join(o.name for o in engine.schedule.options),
+                 "/".join(map(str, engine.schedule.rows)))
     log.info("serving %s (%s, block %d) with %d slots of %d tokens on %s", model_dir, method.name, method.block,
              args.max_num_seqs, max_len, jax.default_backend())
     if not args.no_warmup:
@@ -123,33 +122,19 @@ def model_name(args) -> str:
     return args.served_model_name or args.model or SHIPPED_NAME
 
 
-def _auto_block(args) -> bool:
+def _speculation(args, method):
+    """(options, rows buckets) of the engine's per-step choice (``serve/schedule.py``; None: the engine's defaults,
+    one option, all slots): with ``--block-size auto`` (the default) a chain's block is chosen each step among
+    ``--auto-candidates`` (default: plain decoding and the method's block); a draft tree is kept as given unless
+    ``--auto-candidates`` names budgets; ``--auto-rows`` (default: powers of 4 and --max-num-seqs, when the choice
+    is on) sets the rows buckets of any server."""
     from dflash_jax.cli.generate import auto_block
+    from dflash_jax.serve import schedule
 
-    return auto_block(args)
-
-
-def _choose_block(args, target, drafter, tokenizer, draft_dir, max_len: int, dtype: str, mesh, model_dir) -> int:
-    """``--block-size auto``: the DFlash block (1: plain decoding) with the most expected tokens/s for
-    ``--max-num-seqs`` rows, as ``generate`` chooses it (``perf.step_cost.choose``), on ``SIZING_PROMPTS``,
-    greedy; logged with its reasons."""
-    from dflash_jax.perf import step_cost
-
-    budget = max(1, max_len // 2)  # the prompts' share of the context; the rest is the sized run's new tokens
-    prompts = [frontend.encode(tokenizer, t)[:budget] for t in SIZING_PROMPTS]
-    new_tokens = min(SIZING_NEW_TOKENS, max_len - max(len(p) for p in prompts))
-    log.info("--block-size auto: timing blocks %s at %d rows (greedy, %d new tokens) ...",
-             "/".join(map(str, _candidates(drafter))), args.max_num_seqs, new_tokens)
-    choice, _ = step_cost.choose(target, drafter, prompts, batch=args.max_num_seqs, draft_dir=draft_dir,
-                                 key=(str(model_dir), str(draft_dir), dtype), max_new_tokens=new_tokens, mesh=mesh)
-    log.info("%s", choice.reason())
-    return choice.block
-
-
-def _candidates(drafter) -> tuple[int, ...]:
-    from dflash_jax.decoding import blocksize
-
-    return blocksize.candidate_blocks(drafter.cfg.block_size)
+    on = method.block > 1 and (args.auto_candidates is not None or (method.tree is None and auto_block(args)))
+    options = schedule.options_for(method.block, method.tree, args.auto_candidates) if on else None
+    rows = args.auto_rows or (schedule.default_rows(args.max_num_seqs) if on else None)
+    return options, rows
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -210,8 +195,18 @@ def add_parser(sub) -> None:
                    "dflash:B, dflash2:B, or ddtree:N (a draft tree per row of the N best continuations, depth <= 15; "
                    "ddtree:N:B for block B)")
     s.add_argument("--block-size", type=_block_size_flag, default=None, metavar="{auto,N}",
-                   help="tokens per verify step (1 = plain decoding); auto (the default): chosen by cost for "
-                   "--max-num-seqs rows as generate chooses it, and logged")
+                   help="tokens per verify step (1 = plain decoding); auto (the default): chosen each step among "
+                   "--auto-candidates for the rows it runs, from step costs timed at warm-up and the acceptance seen "
+                   "(/stats' \"speculation\")")
+    s.add_argument("--auto-candidates", type=cli_args.ints, metavar="N,N,...",
+                   help="what --block-size auto weighs each step: blocks of the chain (1: plain decoding; default: 1 "
+                   "and the drafter's block), or with a draft tree its budgets (0: plain decoding; given, the tree's "
+                   "budget is chosen each step too; default: the tree as given). Each is a compiled step per rows "
+                   "bucket")
+    s.add_argument("--auto-rows", type=cli_args.ints, metavar="R,R,...",
+                   help="rows buckets: a step runs the smallest that holds the running requests (default with "
+                   "--block-size auto: the powers of 4 below --max-num-seqs and --max-num-seqs; else "
+                   "--max-num-seqs)")
     s.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     cli_args.add_draft_window_argument(s)
     s.add_argument("--served-model-name", help=f"the model id requests give (default: --model as given, else "

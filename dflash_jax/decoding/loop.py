@@ -205,14 +205,15 @@ def tile_capacity(need: int, platform: str) -> int:
     return -(-need // 128) * 128 if platform == "tpu" else need
 
 
-def _phase(**jit_options):
-    """A loop phase: jitted with the loop static, traced under its mesh (``parallel.mesh_context``)."""
+def _phase(static: tuple[str, ...] = (), **jit_options):
+    """A loop phase: jitted with the loop (and the arguments named in ``static``) static, traced under its mesh
+    (``parallel.mesh_context``)."""
     def wrap(fn):
         @functools.wraps(fn)
         def traced(self, *args, **kwargs):
             with parallel.mesh_context(self.mesh):
                 return fn(self, *args, **kwargs)
-        return jax.jit(traced, static_argnames="self", **jit_options)
+        return jax.jit(traced, static_argnames=("self", *static), **jit_options)
     return wrap
 
 
@@ -383,6 +384,9 @@ class SpeculativeLoop:
         tparams, pparams = params
         # Each row's keys follow its own step count: its stream does not depend on when it joined a batch.
         keys = jax.vmap(lambda key, t: jax.random.split(jax.random.fold_in(key, t)))(state.keys, state.steps)
+        if self.spec.block_size == 1:  # plain decoding: no draft pass (a drafter's state is kept up by its commit)
+            return Draft(tokens=jnp.zeros((state.anchor.shape[0], 0), jnp.int32), q=None, proposer=state.proposer,
+                         accept_keys=keys[:, 1])
         if self.spec.tree_budget is not None:
             tree, pstate = self.proposer.tree(
                 params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
@@ -438,19 +442,37 @@ class SpeculativeLoop:
                                      jnp.where(first_bad <= k, FinishReason.NONFINITE, FinishReason.RUNNING)))
         finish = jnp.where(active, finish, s.finish)
         n = jnp.where(active, a + 1, 0)  # a row that finished here commits too; nothing reads it again
+        hist = jnp.arange(s.accepted.shape[1])[None, :]  # the state's histogram: its layout's block >= this block
         pstate = self.proposer.commit(params=pparams, view=TargetView.of(tparams), state=draft.proposer,
                                       verified=out, n=n)
         return self._pin(LoopState(
             cache=commit(verified.cache, n, path), proposer=pstate, anchor=jnp.where(active, bonus, s.anchor),
             out=_write(s.out, s.n_out, emitted), n_out=n_out, finish=finish.astype(jnp.int32),
             keys=s.keys, step=s.step + 1, steps=s.steps + active,
-            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (j == a[:, None])), rows=s.rows))
+            accepted=s.accepted + (active[:, None] & (first_bad > k)[:, None] & (hist == a[:, None])), rows=s.rows))
 
     @_phase(donate_argnames="state")
     def step(self, params, state: LoopState) -> LoopState:
         """One target step: draft, check, settle."""
         draft = self.draft(params, state)
         return self.settle(params, state, draft, self.check(params, state, draft))
+
+    @_phase(static=("rows",), donate_argnames="state")
+    def step_rows(self, params, state: LoopState, rows: int) -> LoopState:
+        """``step`` of the first ``rows`` rows of ``state`` (the rest unchanged, its finished rows too): how a server
+        whose running rows sit in its low slots pays for those only. ``state`` may be laid out for a larger block
+        than this loop's (``init`` of a loop of the same capacity and a larger block: its ``out`` and ``accepted``
+        are wider), so that loops of several blocks step one state in turn, each step exact under its own block.
+        Rows are the arrays whose leading dimension is the batch (``parallel.state_shardings``' rule)."""
+        B = state.anchor.shape[0]
+        if not 1 <= rows <= B:
+            raise ValueError(f"rows {rows}: a step runs 1..{B} rows of this state")
+        if rows == B:
+            return self.step(params, state)
+        is_row = lambda x: x.ndim > 0 and x.shape[0] == B  # noqa: E731
+        head = jax.tree.map(lambda x: x[:rows] if is_row(x) else x, state)
+        new = self.step(params, self._pin(head, rows))
+        return self._pin(jax.tree.map(lambda x, y: x.at[:rows].set(y) if is_row(x) else y, state, new))
 
     @_phase(donate_argnames="state")
     def decode(self, params, state: LoopState) -> tuple[GenerateOutput, LoopState]:
@@ -488,7 +510,7 @@ class SpeculativeLoop:
     def recent(self, state: LoopState) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(n_out [B], finish [B], out[b, max(n_out[b] - block, 0) :][:block] [B, block]): all a step can
         have emitted, which ``stream`` copies to the host instead of the whole ``out``."""
-        block = self.spec.block_size
+        block = state.accepted.shape[1]  # the state's layout block (``step_rows``): the most a step emits
         start = jnp.maximum(state.n_out - block, 0)
         window = jax.vmap(lambda o, s: jax.lax.dynamic_slice_in_dim(o, s, block))(state.out, start)
         return state.n_out, state.finish, window

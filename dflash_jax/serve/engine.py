@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,8 @@ from dflash_jax import parallel
 from dflash_jax.decoding.api import bucket_for
 from dflash_jax.decoding.loop import FinishReason, LoopState, SpecConfig, SpeculativeLoop, tile_capacity
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
+from dflash_jax.serve import schedule
+from dflash_jax.serve.schedule import Option
 
 log = logging.getLogger("dflash_jax.serve")
 
@@ -111,10 +114,17 @@ class Engine:
     ``submit`` queues a ``Job`` (at most ``max_queue`` waiting, else ``QueueFull``); ``stats`` keeps the records
     of the last ``keep`` finished requests; ``start`` runs the engine's thread; ``close`` stops taking requests
     and, with ``drain``, finishes every accepted one first.
+
+    Speculation by load (``schedule.py``): each step runs one of ``options`` (blocks or tree budgets, default:
+    the loop's own; each a loop of the same capacity whose block and width are at most ``loop``'s, which lays out
+    the state) over the smallest of the ``rows`` buckets (default: all slots) that holds the running rows, which
+    sit in the lowest free slots; the warm-up times every (rows, option) step, and ``schedule`` picks the one with
+    the most expected tokens per second from those costs and the acceptance the steps report.
     """
 
     def __init__(self, loop: SpeculativeLoop, params, *, slots: int, max_model_len: int, max_queue: int,
-                 keep: int = FINISHED_KEPT):
+                 keep: int = FINISHED_KEPT, options: Sequence[Option] | None = None,
+                 rows: Sequence[int] | None = None, prior: Sequence[float] | None = None):
         if slots < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {slots}")
         if max_queue < 1:
@@ -123,12 +133,27 @@ class Engine:
         self.max_model_len, self.max_queue = max_model_len, max_queue
         self._pending: collections.deque[Job] = collections.deque()
         self._active: dict[int, Job] = {}
-        self._free = list(range(slots - 1, -1, -1))
+        self._free = list(range(slots))  # a heap: a request takes the lowest free slot (``schedule``'s rows buckets)
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stats = Stats(finished=collections.deque(maxlen=keep))
+        spec = loop.spec
+        options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
+        rows = tuple(rows or (slots,))
+        bad = [o for o in options if o.block > spec.block_size or o.width > max(spec.block_size, spec.width)]
+        if bad:
+            raise ValueError(f"speculation option {bad[0].name} does not fit the state of block {spec.block_size} and "
+                             f"verify width {spec.width}")
+        if not all(1 <= r <= slots for r in rows) or slots not in rows:
+            raise ValueError(f"--auto-rows {','.join(map(str, rows))}: rows buckets must be in 1..{slots} "
+                             f"(--max-num-seqs) and include {slots}")
+        self._loops = {o: dataclasses.replace(loop, spec=dataclasses.replace(spec, block_size=o.block,
+                                                                             tree_budget=o.budget)) for o in options}
+        self.schedule = schedule.Schedule(options, rows, prior)
+        self._last: Option | None = None  # the option of the last step (whose acceptance the next snapshot shows)
         self.state = self._empty_state()
+        self._seen = None  # [slots, block] the histograms of accepted drafts already observed
 
     @staticmethod
     def capacity(max_model_len: int, width: int) -> int:
@@ -164,14 +189,32 @@ class Engine:
         state = jax.tree.map(lambda x: jnp.repeat(x, self.slots, 0) if x.ndim and x.shape[0] == 1 else x, row)
         return dataclasses.replace(state, finish=jnp.full((self.slots,), FinishReason.STOP, jnp.int32))
 
-    def warmup(self) -> None:
-        """Compiles every program serving runs (prefill per bucket, insert, step, the host copies), so that no
-        request waits for a compilation; the slots stay free."""
-        for bucket in self.buckets():
+    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compiles every program serving runs (prefill per bucket, insert, a step per rows bucket and option, the
+        host copies), so that no request waits for a compilation, and times each step for ``schedule``'s cost
+        table (each step's own time, plus the host copy every step waits for); the slots stay free.
+        ``progress(message)`` hears of each program as it compiles."""
+        say = progress or (lambda message: None)
+        buckets, programs = self.buckets(), self.schedule.programs()
+        total = len(buckets) + len(programs)
+        for k, bucket in enumerate(buckets, 1):
+            say(f"program {k} of {total}: prefill of {bucket} tokens")
             row = self._prefill([0] * bucket, SamplingConfig(), 0)
             self.state = self.loop.insert(self.state, row, jnp.asarray(0, jnp.int32))
-        self.state = self._free_rows(self.loop.step(self.params, self.state), np.ones(self.slots, bool))
-        parallel.host(self._snapshot())
+        self.state = self._free_rows(self.state, np.ones(self.slots, bool))
+        for k, (rows, option) in enumerate(programs, len(buckets) + 1):
+            say(f"program {k} of {total}: a step of {rows} rows at {option.name}")
+            self._time_step((rows, option))
+        say(f"timing {len(programs)} steps")
+        costs = schedule.measure(self._time_step, programs)
+        copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
+        self.schedule.costs = {p: c + copy for p, c in costs.items()}
+        log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
+                 "tree of N nodes), the host copy of %.2f ms included:\n%s", copy * 1e3, self.schedule.table())
+
+    def _time_step(self, program: tuple[int, Option]) -> None:
+        rows, option = program
+        self.state = jax.block_until_ready(self._loops[option].step_rows(self.params, self.state, rows))
 
     def _snapshot(self):
         n_out, finish, window = self.loop.recent(self.state)
@@ -207,7 +250,8 @@ class Engine:
             s = dataclasses.replace(self._stats, finished=list(self._stats.finished))  # asdict copies it
             return dict(dataclasses.asdict(s), finished_kept=self._stats.finished.maxlen, active=len(self._active),
                         waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size,
-                        tree_budget=self.loop.spec.tree_budget, drafts_per_step=self.drafts_per_step)
+                        tree_budget=self.loop.spec.tree_budget, drafts_per_step=self.drafts_per_step,
+                        speculation=self.schedule.as_dict())
 
     @property
     def drafts_per_step(self) -> int:
@@ -260,7 +304,7 @@ class Engine:
                 if job.cancelled:
                     self._finish(job, Finish("abort", 0, 0, 0))
                     continue
-                job.slot = self._free.pop()
+                job.slot = heapq.heappop(self._free)
                 admit.append(job)
         for job in admit:
             row = self._prefill(job.prompt, job.sampling, job.seed)
@@ -268,6 +312,7 @@ class Engine:
             with self._cond:
                 self._active[job.slot] = job
         n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
+        self._observe(accepted)
         # A step emits at most a block of tokens (a chain's block - 1 drafts and the bonus; a tree's path is at most
         # block - 1 deep): the histogram of accepted drafts [slots, block] and the window [slots, block] hold it.
         block = self.loop.spec.block_size
@@ -299,14 +344,28 @@ class Engine:
             done[slot] = True
             with self._cond:
                 del self._active[slot]
-                self._free.append(slot)
+                heapq.heappush(self._free, slot)
                 self._finish(job, Finish(reason, job.sent, *job.figures(job.sent)))
         if done.any():
             self.state = self._free_rows(self.state, done)
         if self._active:
-            self.state = self.loop.step(self.params, self.state)
+            with self._cond:  # /stats reads the schedule from another thread
+                sampled = any(not job.sampling.greedy for job in self._active.values())
+                rows, self._last = self.schedule.choose(max(self._active) + 1, len(self._active), sampled)
+            self.state = self._loops[self._last].step_rows(self.params, self.state, rows)
             self._stats.engine_steps += 1
         return True
+
+    def _observe(self, accepted: np.ndarray) -> None:
+        """Tells ``schedule`` what the last step accepted: each row's histogram [slots, block] less what was
+        seen before (a row inserted since starts from zero)."""
+        delta = accepted - (0 if self._seen is None else self._seen)
+        fresh = (delta < 0).any(-1)
+        delta[fresh] = accepted[fresh]
+        self._seen = accepted.astype(np.int64)
+        if self._last is not None:
+            with self._cond:
+                self.schedule.observe(self._last, delta.sum(0))
 
     def _finish(self, job: Job, finish: Finish) -> None:
         """Counts a finished request and tells its caller (``self._cond`` held)."""

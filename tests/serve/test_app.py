@@ -18,8 +18,7 @@ from serve_fixtures import running
 
 from dflash_jax import frontend
 from dflash_jax.cli import main
-from dflash_jax.decoding import blocksize
-from dflash_jax.perf import serve_load, step_cost
+from dflash_jax.perf import serve_load
 
 MAX_LEN = 128
 SLOTS = 2
@@ -30,32 +29,24 @@ PROMPT = "def fibonacci(n):\n"
 
 @pytest.fixture(scope="module")
 def server():
-    """The module's server: no --block-size, so serve chooses its block as generate --block-size auto does, here
-    by a stand-in for ``step_cost.choose`` (measured, the choice costs tens of seconds; the block-size tests
-    prove it and the slow SIGTERM test runs it in a server) that picks block 8 from the costs it is given."""
-    asked, notes = {}, []
-
-    def choose(target, drafter, prompts, *, batch, **kw):
-        asked.update(batch=batch, prompts=prompts, **kw)
-        costs = {1: 1.0, 4: 1.3, 8: 1.5, 16: 9.0}
-        return blocksize.choose_block([0.9] * 7 + [0.1] * 8, costs, batch=batch, source="stood in"), None
-
+    """The module's server: no --block-size, so the engine chooses plain decoding or the drafter's block each step
+    (``serve/schedule.py``) from the step costs its warm-up times, here in one rows bucket (``--auto-rows``: each
+    bucket is a compiled step per option; the schedule's tests weigh several)."""
+    notes = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: notes.append(record.getMessage())
     serve_log = logging.getLogger("dflash_jax.serve")
     level = serve_log.level
     serve_log.addHandler(handler)
     serve_log.setLevel(logging.INFO)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(step_cost, "choose", choose)
-        try:
-            with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len",
-                         str(QUEUE), "--served-model-name", "tiny") as r:
-                r.choice = dict(asked=asked, notes=notes)
-                yield r
-        finally:
-            serve_log.removeHandler(handler)
-            serve_log.setLevel(level)
+    try:
+        with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len", str(QUEUE),
+                     "--served-model-name", "tiny", "--auto-rows", str(SLOTS)) as r:
+            r.notes = notes
+            yield r
+    finally:
+        serve_log.removeHandler(handler)
+        serve_log.setLevel(level)
 
 
 @pytest.fixture(scope="module")
@@ -399,14 +390,18 @@ def test_stats_bounds_its_list_of_records(server):
     assert stats["slots"] == SLOTS
 
 
-def test_the_block_is_chosen_by_cost_for_the_slots_and_logged(server):
-    """No --block-size: the block ``step_cost.choose`` picks for --max-num-seqs rows is the one served, and the
-    log says why."""
-    asked, notes = server.choice["asked"], server.choice["notes"]
-    assert asked["batch"] == SLOTS and asked["max_new_tokens"] <= MAX_LEN - max(map(len, asked["prompts"]))
-    assert server.engine.loop.spec.block_size == 8 and server.served.speculative
-    assert httpx.get(server.base_url + "/stats").json()["block_size"] == 8
-    assert any(n.startswith(f"block size auto: 8 (7 speculative tokens) at batch {SLOTS}") for n in notes), notes
+def test_the_block_is_chosen_each_step_and_the_table_is_in_stats_and_the_log(server):
+    """No --block-size: every step ran plain decoding or the drafter's block, as the schedule chose for its rows
+    from the costs timed at warm-up; /stats shows the table, the choices and the acceptance, the log the table."""
+    client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", timeout=TIMEOUT_S, max_retries=0)
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+    stats = httpx.get(server.base_url + "/stats").json()
+    spec = stats["speculation"]
+    assert spec["options"] == ["1", "16"] and spec["rows"] == [SLOTS] and stats["block_size"] == 16
+    assert set(spec["step_ms"][str(SLOTS)]) == {"1", "16"} and min(spec["step_ms"][str(SLOTS)].values()) > 0
+    assert sum(spec["counts"].values()) == stats["engine_steps"] > 0 and spec["current"]["choice"] in ("1", "16")
+    assert len(spec["acceptance"]) == 15 and spec["expected_tokens"]["1"] == 1.0
+    assert any(n.startswith("speculation by load: step costs") and "E[tokens/step]" in n for n in server.notes)
 
 
 # -- as vLLM users meet it --

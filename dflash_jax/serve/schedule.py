@@ -1,0 +1,206 @@
+"""Speculation chosen by load, per step (``--block-size auto``): the block or tree budget each engine step runs.
+
+Sits in the serving layer beside the engine (``engine.py``), which asks it before every step and tells it what
+the step accepted; it holds no arrays and runs no program. Its inputs are two:
+
+- The cost table: seconds per step for each (rows bucket, option), measured at warm-up on this machine
+  (``measure``). A step runs the first R slots, R the smallest rows bucket that holds every running row (the
+  engine keeps them in the low slots), so the cost of a step follows the load.
+- The acceptance observed online: each step's histogram of accepted drafts (``observe``). For chains, per
+  draft position k, the steps that reached k and those that accepted it (a step at block b that accepted a
+  drafts reached positions 1 .. min(a + 1, b - 1)), so a block-16 step informs every smaller block and a
+  block-4 step the first three positions (``blocksize.expected_tokens`` turns them into E[tokens | b]). For
+  trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per step that brings some, so it
+  follows the workload.
+
+``choose(top)`` takes the rows bucket of ``top`` (highest running slot + 1) and the option with the most expected
+tokens per second there, E[tokens | option] / cost(R, option) (the running rows' count is common to all options);
+plain decoding (block 1, E = 1) wins when nothing pays. An option whose evidence is stale is explored now and
+then: an option never seen at once, else after enough steps that exploring costs at most ``EXPLORE_SHARE`` of the
+time, (cost(R, o) / cost(R, best) - 1) / period <= EXPLORE_SHARE: without it, a server that chose block 1 under
+load would never learn that speculation pays again.
+
+Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
+sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
+the drafts differ), so a step with a sampled row runs the largest option: a seeded request then reproduces itself
+and ``generate --seed`` at the method as given, at any load, and only all-greedy steps are chosen by load.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+
+import numpy as np
+
+from dflash_jax.decoding import blocksize
+
+ROUNDS = 3  # timed steps per program at warm-up (interleaved); a program's cost is their median
+DECAY = 0.97  # the weight of older evidence, per step that brings new evidence of the same kind
+EXPLORE_SHARE = 0.02  # exploring a stale option costs at most this share of the steps' time
+PRIOR_STEPS = 2.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
+RECENT = 64  # choices /stats keeps
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Option:
+    """One way to run a step: a chain of ``block`` tokens (1: plain decoding), or a draft tree of ``budget`` nodes
+    of depth <= block - 1."""
+
+    block: int
+    budget: int | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.block) if self.budget is None else f"ddtree:{self.budget}"
+
+    @property
+    def width(self) -> int:
+        """Tokens per row one verify of it checks."""
+        return self.block if self.budget is None else self.budget + 1
+
+
+def default_rows(slots: int) -> tuple[int, ...]:
+    """Rows buckets: the powers of 4 below ``slots``, and ``slots``."""
+    return tuple(sorted({slots} | {4**i for i in range(slots.bit_length()) if 4**i < slots}))
+
+
+def options_for(block: int, budget: int | None, numbers: Sequence[int] | None = None) -> tuple[Option, ...]:
+    """The options a server of ``block`` (and draft trees of ``budget`` nodes) weighs: ``numbers`` are blocks for
+    a chain (1: plain decoding), budgets for a tree (0: plain decoding); default: plain decoding and the method
+    itself. A clear error naming ``--auto-candidates`` for a number outside the method's."""
+    top = block if budget is None else budget
+    numbers = sorted({0 if budget is not None else 1, top} if numbers is None else set(numbers))
+    bad = [n for n in numbers if not (0 if budget is not None else 1) <= n <= top]
+    if bad:
+        what = f"blocks 1..{block}" if budget is None else f"tree budgets 0..{budget} (0: plain decoding)"
+        raise ValueError(f"--auto-candidates {','.join(map(str, numbers))}: {bad[0]} is outside the method's {what}")
+    if budget is None:
+        return tuple(Option(n) for n in numbers)
+    return tuple(Option(1) if n == 0 else Option(block, n) for n in numbers)
+
+
+def measure(run: Callable[[Hashable], None], keys: Sequence[Hashable], *, rounds: int = ROUNDS,
+            clock=time.perf_counter) -> dict[Hashable, float]:
+    """Seconds per call of ``run(key)`` (one engine step, waited for) for each key, warm: the median of ``rounds``
+    timed calls, keys in alternating order round by round so the machine's drift hits all alike. Each key's
+    program must already be compiled (the engine's warm-up runs each once first)."""
+    times = {k: [] for k in keys}
+    for r in range(rounds):
+        for key in (keys if r % 2 == 0 else keys[::-1]):
+            t0 = clock()
+            run(key)
+            times[key].append(clock() - t0)
+    return {k: statistics.median(t) for k, t in times.items()}
+
+
+class Schedule:
+    """The chooser of one engine: ``options`` (``Option``s, all within the engine's state layout), ``rows``
+    buckets, and ``prior`` a_k (the drafter's card) or None. ``costs`` is filled by the engine's warm-up; without
+    it (``--no-warmup``) every step runs the largest option."""
+
+    def __init__(self, options: Sequence[Option], rows: Sequence[int], prior: Sequence[float] | None = None):
+        if not options or not rows:
+            raise ValueError("a schedule needs at least one option and one rows bucket")
+        self.options, self.rows = tuple(sorted(options)), tuple(sorted(rows))
+        depth = max(o.block for o in self.options) - 1
+        a = np.full(depth, 0.5) if prior is None else np.resize(np.asarray(prior, float), depth)
+        self._reach = np.full(depth, PRIOR_STEPS)  # decayed steps that reached draft position k (k = 1 .. depth)
+        self._passed = PRIOR_STEPS * a  # ... and accepted it
+        self._trees = {o: [0.0, 0.0] for o in self.options if o.budget is not None}  # decayed [steps, drafts]
+        self._since = dict.fromkeys(self.options, math.inf)  # steps since an option last ran
+        self.costs: dict[tuple[int, Option], float] = {}
+        self.recent: collections.deque = collections.deque(maxlen=RECENT)
+        self.counts: collections.Counter = collections.Counter()
+        self.current: dict | None = None
+
+    def programs(self) -> list[tuple[int, Option]]:
+        """Every (rows bucket, option) a step may run: the programs the warm-up compiles and times."""
+        return [(r, o) for r in self.rows for o in self.options]
+
+    def bucket(self, top: int) -> int:
+        """The smallest rows bucket holding slots 0 .. top - 1."""
+        return next(r for r in self.rows if r >= top)
+
+    def acceptance(self) -> np.ndarray:
+        """a_k, k = 1 .. depth: the chance draft k is accepted once drafts 1 .. k-1 were (prior included)."""
+        return self._passed / self._reach
+
+    def expected(self, option: Option) -> float:
+        """E[tokens per row per step] of ``option`` from the evidence so far."""
+        if option.budget is None:
+            return blocksize.expected_tokens(self.acceptance(), option.block)
+        steps, drafts = self._trees[option]
+        return 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
+
+    def _informs(self, option: Option) -> bool:
+        """Whether running ``option`` brings evidence ``choose`` needs: the longest chain (every position) or a
+        tree (its own budget)."""
+        longest = max((o.block for o in self.options if o.budget is None), default=1)
+        return option.budget is not None or (option.block == longest > 1)
+
+    def choose(self, top: int, active: int | None = None, sampled: bool = False) -> tuple[int, Option]:
+        """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row (``active`` of
+        them; for /stats only). ``sampled``: some row samples (temperature > 0): the step runs the largest option,
+        the method as given, so that a seeded request reproduces itself whatever the load (the module doc)."""
+        rows = self.bucket(top)
+        cost = {o: self.costs.get((rows, o)) for o in self.options}
+        if sampled or any(c is None for c in cost.values()):
+            choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
+        else:
+            choice = min(self.options, key=lambda o: (-self.expected(o) / cost[o], o.width))
+            why = "best"
+            for o in self.options:
+                if o != choice and self._informs(o):
+                    period = max(cost[o] / cost[choice] - 1, 0.0) / EXPLORE_SHARE
+                    if self._since[o] >= period:
+                        choice, why = o, "explore"
+                        break
+        for o in self.options:
+            self._since[o] += 1
+        self._since[choice] = 0
+        self.current = dict(rows=rows, top=top, active=active, choice=choice.name, why=why)
+        self.recent.append((rows, choice.name))
+        self.counts[f"{rows}x{choice.name}"] += 1
+        return rows, choice
+
+    def observe(self, option: Option, histogram) -> None:
+        """Evidence of one step of ``option``: ``histogram`` [W] steps (over the rows it ran) that accepted
+        0 .. W-1 drafts."""
+        h = np.asarray(histogram, float)
+        if option.block == 1 or h.sum() <= 0:
+            return
+        if option.budget is not None:
+            tree = self._trees[option]
+            tree[0] = DECAY * tree[0] + h.sum()
+            tree[1] = DECAY * tree[1] + float((h * np.arange(h.size)).sum())
+            return
+        at_least = h[::-1].cumsum()[::-1]  # at_least[a]: steps that accepted >= a drafts
+        depth = min(option.block - 1, self._reach.size)
+        self._reach *= DECAY
+        self._passed *= DECAY
+        self._reach[:depth] += at_least[:depth]  # position k reached: >= k - 1 accepted
+        self._passed[:depth] += at_least[1:depth + 1]  # position k accepted: >= k accepted
+
+    def table(self) -> str:
+        """The cost table and the expected tokens per step, for the start-up log."""
+        head = "rows " + " ".join(f"{o.name:>10}" for o in self.options)
+        lines = [f"{r:>4} " + " ".join(f"{self.costs[r, o] * 1e3:>8.2f}ms" if (r, o) in self.costs else f"{'-':>10}"
+                                       for o in self.options) for r in self.rows]
+        tokens = "E[tokens/step] " + ", ".join(f"{o.name}: {self.expected(o):.2f}" for o in self.options)
+        return "\n".join([head, *lines, tokens])
+
+    def as_dict(self) -> dict:
+        """/stats' "speculation": the table (ms per step by rows bucket and option), the acceptance and expected
+        tokens per step now, the last choice, and the recent choices and their counts."""
+        return dict(
+            options=[o.name for o in self.options], rows=list(self.rows),
+            step_ms={str(r): {o.name: round(self.costs[r, o] * 1e3, 3) for o in self.options if (r, o) in self.costs}
+                     for r in self.rows},
+            acceptance=[round(float(a), 4) for a in self.acceptance()],
+            expected_tokens={o.name: round(self.expected(o), 3) for o in self.options},
+            current=self.current, counts=dict(self.counts), recent=[list(c) for c in self.recent])

@@ -1,0 +1,134 @@
+"""Speculation chosen by load, per step (``serve/schedule.py`` and the loop's ``step_rows``): the chooser's rules on
+synthetic cost tables and acceptance (no timing), and exactness when every step runs another block or budget over
+another prefix of rows: greedy output equals plain decoding's."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dflash_jax import frontend
+from dflash_jax.decoding.api import generate
+from dflash_jax.decoding.loop import SpeculativeLoop
+from dflash_jax.serve import schedule
+from dflash_jax.serve.engine import spec_for
+from dflash_jax.serve.schedule import Option, Schedule
+
+PLAIN, MID, BIG = Option(1), Option(4), Option(16)
+
+
+def _schedule(costs, prior=None, options=(PLAIN, MID, BIG), rows=(1, 32)):
+    s = Schedule(options, rows, prior)
+    s.costs = {(r, o): costs[r][o] for r in rows for o in options}
+    return s
+
+
+def _accepting(s, option, a, steps):
+    """``steps`` observed steps of ``option`` that each accepted ``a`` drafts."""
+    for _ in range(steps):
+        h = np.zeros(16)
+        h[a] = 1
+        s.observe(option, h)
+
+
+def test_the_big_block_when_it_pays_plain_when_nothing_pays():
+    costs = {1: {PLAIN: 1.0, MID: 1.1, BIG: 1.3}, 32: {PLAIN: 1.0, MID: 2.5, BIG: 9.0}}
+    s = _schedule(costs)
+    assert s.choose(1)[1] == BIG  # never seen: explored at once
+    _accepting(s, BIG, 7, 100)  # 7 of 15 drafts accepted per step: E[16] = 8, E[4] = 4
+    assert s.expected(BIG) == pytest.approx(8.0, abs=0.2) and s.expected(MID) == pytest.approx(4.0, abs=0.05)
+    assert [s.choose(1) for _ in range(3)] == [(1, BIG)] * 3  # 8 / 1.3 beats 4 / 1.1 and 1 / 1.0
+    assert s.choose(20) == (32, MID)  # rows bucket 32: 4 / 2.5 beats 8 / 9 and 1 / 1
+    _accepting(s, BIG, 0, 200)  # nothing accepted any more: the evidence decays to it
+    assert s.choose(32) == (32, PLAIN)
+    assert s.choose(1)[1] == PLAIN  # 1 / 1.0 beats E[16] ~ 1 / 1.3
+    stats = s.as_dict()
+    assert stats["step_ms"]["32"] == {"1": 1000.0, "4": 2500.0, "16": 9000.0} and stats["current"]["choice"] == "1"
+    assert stats["counts"]["32x1"] == 1 and stats["recent"][-1] == [1, "1"]
+
+
+def test_a_small_block_informs_only_its_positions_and_stale_options_are_explored_rarely():
+    costs = {1: {PLAIN: 1.0, MID: 1.1, BIG: 1.3}, 32: {PLAIN: 1.0, MID: 2.5, BIG: 9.0}}
+    s = _schedule(costs, prior=[0.0] * 15)  # a card that says nothing is accepted
+    _accepting(s, MID, 3, 100)  # every block-4 step accepts its 3 drafts: positions 1..3 certain, 4.. the prior
+    assert s.acceptance()[:3] == pytest.approx([1.0] * 3, abs=0.01) and s.acceptance()[3] == 0.0
+    assert s.expected(BIG) == pytest.approx(4.0, abs=0.05)
+    s._since[BIG] = 0  # BIG ran just now: at bucket 32 it costs 3.6x the choice, explored after (3.6 - 1) / 0.02
+    picks = [s.choose(32)[1] for _ in range(300)]
+    assert [i for i, p in enumerate(picks) if p != MID] == [130, 261]
+    assert s.current == dict(rows=32, top=32, active=None, choice="4", why="best")
+
+
+def test_trees_are_weighed_by_their_own_acceptance():
+    small, big = Option(16, 8), Option(16, 32)
+    costs = {4: {PLAIN: 1.0, small: 1.2, big: 2.0}}
+    s = _schedule(costs, options=(PLAIN, small, big), rows=(4,))
+    assert {s.choose(1)[1], s.choose(1)[1]} == {small, big}  # each tree budget explored once, unseen
+    _accepting(s, small, 3, 20)
+    _accepting(s, big, 4, 20)
+    assert s.expected(small) == pytest.approx(4.0) and s.expected(big) == pytest.approx(5.0)
+    assert s.choose(3) == (4, small)  # 4 / 1.2 beats 5 / 2 and 1 / 1
+
+
+def test_options_and_rows_buckets():
+    assert schedule.default_rows(32) == (1, 4, 16, 32) and schedule.default_rows(1) == (1,)
+    assert schedule.options_for(16, None) == (PLAIN, BIG)
+    assert schedule.options_for(16, None, [1, 4, 16]) == (PLAIN, MID, BIG)
+    assert schedule.options_for(16, 32, [0, 8, 32]) == (PLAIN, Option(16, 8), Option(16, 32))
+    with pytest.raises(ValueError, match="--auto-candidates 1,32: 32 is outside the method's blocks 1..16"):
+        schedule.options_for(16, None, [1, 32])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    method = frontend.Method("dflash", 8)
+    target, drafter = frontend.load_models(frontend.ASSETS / "target", frontend.ASSETS / "drafter", [method],
+                                           dtype=np.float32, progress=False)
+    proposer, pparams = frontend.proposer_for(method, target, drafter)
+    return target, proposer, pparams
+
+
+def _switching(pair, plan, tree=None):
+    """Two rows of prompts laid out for block 8 (a tree: of ``tree`` nodes), stepped as ``plan`` says: (option, rows)
+    per step, a row outside a step waiting; each row's tokens so far and the histogram of accepted drafts."""
+    target, proposer, pparams = pair
+    tok = frontend.load_tokenizer(frontend.ASSETS / "target")
+    prompts = [frontend.encode(tok, "def fibonacci(n):\n"), frontend.encode(tok, "class Stack:\n    def push(")]
+    spec = spec_for(8, 64, tree)
+    loops = {o: SpeculativeLoop.of(target, proposer, dataclasses.replace(spec, block_size=o.block,
+                                                                        tree_budget=o.budget)) for o, _ in plan}
+    tokens = np.zeros((2, 16), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, :len(p)] = p
+    params = (target.params, pparams)
+    state = SpeculativeLoop.of(target, proposer, spec).init(params, tokens, np.array([len(p) for p in prompts]), 0)
+    for option, rows in plan:
+        state = loops[option].step_rows(params, state, rows)
+    n_out = np.asarray(state.n_out)
+    outs = [np.asarray(state.out)[b, :n_out[b]].tolist() for b in range(2)]
+    return prompts, outs, np.asarray(state.accepted)
+
+
+def _plain(target, prompt):
+    return generate(target, [prompt], block_size=1, max_new_tokens=64, stop_ids=()).token_lists()[0]
+
+
+def test_greedy_with_the_block_and_rows_switching_every_step_equals_plain_decoding(pair):
+    """Block 8 over the first row, then plain decoding (the drafter's context kept up, no draft pass) over both:
+    each row's tokens equal plain decoding's, and the block-8 steps accepted drafts."""
+    plan = [(Option(8), 1), (Option(1), 2), (Option(1), 2)] * 8
+    prompts, outs, accepted = _switching(pair, plan)
+    assert len(outs[0]) > len(outs[1]) > 16  # row 0 ran every step, row 1 only the plain ones
+    for prompt, got in zip(prompts, outs, strict=True):
+        assert got == _plain(pair[0], prompt)[:len(got)]
+    assert accepted[0, 1:].sum() > 0 and accepted[1, 1:].sum() == 0
+
+
+@pytest.mark.slow
+def test_greedy_with_tree_budgets_and_chains_switching_equals_plain_decoding(pair):
+    plan = [(Option(8, 16), 1), (Option(1), 2), (Option(8, 4), 2), (Option(3), 1)] * 6
+    prompts, outs, accepted = _switching(pair, plan, tree=16)
+    assert len(outs[0]) > len(outs[1]) > 16
+    for prompt, got in zip(prompts, outs, strict=True):
+        assert got == _plain(pair[0], prompt)[:len(got)]
+    assert accepted[:, 1:].sum() > 0
