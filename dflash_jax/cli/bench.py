@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_jax import frontend, parallel
+from dflash_jax import compile_cache, frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.workloads import WORKLOADS, load_turns
@@ -41,6 +41,7 @@ def cmd_bench(args) -> int:
     peer_list = [m for m in methods if isinstance(m, peers.Peer)]
     peers.require(peer_list)  # torch before JAX compiles anything
     mesh = cli_args.mesh_from_args(args)  # joins the other processes; only process 0 prints and writes
+    compile_cache.enable(args.compilation_cache_dir)  # before anything compiles: a rerun loads the programs
     if peer_list and args.random_config:
         raise ValueError(f"{', '.join(p.name for p in peer_list)} load the checkpoints: not with --random-config")
     if AUTO in methods and args.simulate_acceptance:
@@ -200,6 +201,7 @@ def add_parser(sub) -> None:
     b.add_argument("--draft-model", help="DFlash drafter directory (default: the shipped drafter with the "
                    "shipped target)")
     cli_args.add_draft_window_argument(b)
+    compile_cache.add_argument(b)
     b.add_argument("--random-config", metavar="TARGET_CONFIG[,DRAFTER_CONFIG]",
                    help="random-weight target (and drafter) from config.json files alone, made on the device; "
                         "prompts are random token ids (pair with --simulate-acceptance to fix tau)")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax import frontend
+from dflash_jax import compile_cache, frontend
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import read_target_config
 from dflash_jax.decoding import workloads
@@ -263,6 +263,7 @@ def _complete(args, req: Request, tokenizer, it) -> dict:
 def cmd_generate(args) -> int:
     mesh = cli_args.mesh_from_args(args)  # first: joins the other processes; only process 0 prints from here on
     req = check_request(args)
+    compile_cache.enable(args.compilation_cache_dir)  # a second run loads what the first compiled
     dtype = frontend.resolve_dtype(args.dtype, req.model_dir)
     # The tokenizer and the prompts first: a broken tokenizer or template is reported before weights are loaded.
     tokenizer = frontend.load_tokenizer(args.tokenizer or req.model_dir, "--tokenizer" if args.tokenizer else "--model")
@@ -392,6 +393,7 @@ def add_parser(sub) -> None:
                    "shipped target; none with --model)")
     g.add_argument("--tokenizer", help="tokenizer directory (default: the target's)")
     cli_args.add_draft_window_argument(g)
+    compile_cache.add_argument(g)
     g.add_argument("--speculative-config", help='vLLM-style JSON, e.g. \'{"method": "dflash", "model": DIR, '
                    '"num_speculative_tokens": 15}\' or \'{"method": "mtp", "num_speculative_tokens": 3}\' '
                    f"(MTP default: {MTP_DEFAULT_STEPS}); method \"dflash2\" requires a DFlash2 drafter; method "

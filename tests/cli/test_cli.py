@@ -519,3 +519,21 @@ def test_bench_gives_each_method_its_own_shipped_drafter(tmp_path, capsys, monke
         cli.main(["bench", "--methods", "ar,dflash:16,dflash2:16", "--prompts", str(prompts), "--out",
                   str(tmp_path / "o"), "--quiet"])
     assert seen == {"workload": "mine.jsonl", "drafters": {"dflash:16": False, "dflash2:16": True}}
+
+
+@shipped
+def test_generate_and_bench_keep_their_programs_in_the_compilation_cache(tmp_path, capsys):
+    """``--compilation-cache-dir`` (serve's flag, ``compile_cache``) on generate and bench: what generate
+    compiles is written there, for the next run to load."""
+    from dflash_jax import compile_cache
+
+    for command in ("generate", "bench"):
+        assert "--compilation-cache-dir" in cli.build_parser([command])._subparsers._group_actions[0].choices[
+            command].format_help()
+    cache = tmp_path / "cache"
+    try:
+        assert cli.main(["generate", "def f(x):", "--block-size", "1", "--no-compare", "--max-new-tokens", "2",
+                         "--quiet", "--compilation-cache-dir", str(cache)]) == 0
+    finally:
+        compile_cache.enable()  # the run's own folder again (tests/conftest.py)
+    assert any(cache.iterdir())
