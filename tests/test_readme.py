@@ -71,3 +71,12 @@ def test_build_md_cpu_block_installs_what_the_readme_installs():
     cpu = re.search(r"## CPU.*?```bash\n(.*?)```", build, re.S).group(1)
     lines = {" ".join(line.split("#")[0].split()) for line in cpu.splitlines()}
     assert installs and installs <= lines, installs - lines
+
+
+def test_the_readme_command_table_lists_every_command_in_the_help_order():
+    from dflash_jax import cli
+
+    rows = re.findall(r"^\| `dflash-jax (\w+)(?: \{([\w,-]+)\})?", README.read_text(), re.M)
+    assert [name for name, _ in rows] == list(cli.COMMANDS)
+    assert {name: members.split(",") for name, members in rows if members} == {
+        group: list(table) for group, table in cli.GROUPS.items()}
