@@ -17,23 +17,23 @@ the earlier node, a parent before its children). Row layout: index 0 is the root
 1..N follow by depth, so parents precede children, as the verify needs; children of one node carry distinct
 tokens.
 
-Sampled trees (``sampled`` rows): each node's children are a draw without replacement from its distribution
-(at the sampling temperature), by stochastic beam search (Kool et al. 2019, Gumbel-top-k): a node's score is a
-Gumbel-perturbed path log-probability, conditioned on being at most its parent's, so the N kept paths are a
-sample of distinct paths instead of the N likeliest.
+The tree is the likeliest paths under every sampling setting (draft mode and temperature leave it alone): a
+fixed tree catches the target's choice at a node with the probability the target gives that node's children, so
+the children the drafter finds likeliest are the best guess. Measured (docs/performance.md, "Sampled
+acceptance"): trees sampled without replacement from the drafter at the sampling temperature (stochastic beam
+search) accepted less at T 1 and 0.7 on the shipped pair, with either drafter.
 
 Acceptance is the target's: at each node the token it chooses there (its argmax, or a sample from its
 distribution under the row's rules); from the root, step to the child holding that token while there is one;
 the first choice without such a child is the bonus. Every emitted token is then the target's own choice given
 the accepted prefix, so greedy output equals plain decoding and sampled output has the target's distribution
-(the drafter's probabilities are never used, and the tree, drafted with keys the target never reads, is fixed
-before the target draws). The chain is the tree with one child per node.
+(the drafter's probabilities are never used, and the tree is fixed before the target draws). The chain is the tree
+with one child per node.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
@@ -58,27 +58,13 @@ class DraftTree:
 Children = Callable[[int, jax.Array], tuple[jax.Array, jax.Array]]
 
 
-def draft_temperature(rules: SamplingConfig | RowSampling, batch: int) -> tuple[jax.Array, jax.Array | None]:
-    """(temperature [B] f32 the tree's distributions are taken at, sampled [B] bool or None when no row samples):
-    a row with sampled drafts (``sampled_drafts``) grows a sampled tree at its temperature; the others grow the
-    likeliest paths of the drafter's own distributions (temperature 1)."""
-    if isinstance(rules, RowSampling):
-        sampled = rules.sampled_drafts
-        return jnp.where(sampled, rules.temperature, 1.0).astype(jnp.float32), sampled
-    if rules.sampled_drafts:
-        return jnp.full((batch,), rules.temperature, jnp.float32), jnp.ones((batch,), bool)
-    return jnp.ones((batch,), jnp.float32), None
-
-
-def build(anchor: jax.Array, logprobs: jax.Array, budget: int, keys: jax.Array | None = None,
-          sampled: jax.Array | None = None) -> DraftTree:
+def build(anchor: jax.Array, logprobs: jax.Array, budget: int) -> DraftTree:
     """The ``budget`` best paths of per-depth draft log-probabilities (a DFlash drafter's marginals).
 
     Args:
       anchor: [B] int32, the root's token.
       logprobs: [B, D, V] f32 log-probabilities of depth 1..D (a log-softmax of the drafter's logits).
       budget: N, nodes besides the root (static).
-      keys, sampled: [B] PRNG keys and the rows that grow a sampled tree (``grow``); None: none does.
     Returns:
       a ``DraftTree`` of N + 1 nodes per row (nodes past the finite paths are marked invalid).
     """
@@ -89,45 +75,29 @@ def build(anchor: jax.Array, logprobs: jax.Array, budget: int, keys: jax.Array |
         shape = tokens.shape + vals.shape[-1:]
         return jnp.broadcast_to(vals[:, t, None], shape), jnp.broadcast_to(toks[:, t, None], shape).astype(jnp.int32)
 
-    return grow(anchor, children, D, budget, keys, sampled)
+    return grow(anchor, children, D, budget)
 
 
-def _below(parent: jax.Array, perturbed: jax.Array) -> jax.Array:
-    """Stochastic beam search's conditioning: children's Gumbel-perturbed scores [..., K] shifted so that their
-    maximum equals the parent's perturbed score [..., 1] (their order kept): -log(e^-parent - e^-max + e^-x)."""
-    top = perturbed.max(-1, keepdims=True)
-    v = parent - perturbed + jnp.log1p(-jnp.exp(jnp.minimum(perturbed - top, 0.0)))  # log1mexp, -inf at the max
-    return parent - jax.nn.relu(v) - jnp.log1p(jnp.exp(-jnp.abs(v)))
-
-
-def grow(anchor: jax.Array, children: Children, depth: int, budget: int, keys: jax.Array | None = None,
-         sampled: jax.Array | None = None) -> DraftTree:
+def grow(anchor: jax.Array, children: Children, depth: int, budget: int) -> DraftTree:
     """The ``budget`` best paths of depth <= ``depth`` under ``children``'s conditional distributions.
 
     Args:
       anchor: [B] int32, the root's token.
       children: the candidates after a depth's nodes and their log-probabilities (``Children``).
       depth: D (static); budget: N, nodes besides the root (static).
-      keys: [B] PRNG keys of the ``sampled`` [B] rows, which grow a sample of distinct paths instead of the
-        likeliest ones (Gumbel-perturbed scores, see the module docstring); None: every row its likeliest.
     Returns:
       a ``DraftTree`` of N + 1 nodes per row, by depth (nodes past the finite paths are marked invalid).
     """
     B = anchor.shape[0]
     rows = jnp.arange(B)[:, None]
-    tokens, logp, score = anchor.astype(jnp.int32)[:, None], jnp.zeros((B, 1)), jnp.zeros((B, 1))  # the frontier
+    tokens, score = anchor.astype(jnp.int32)[:, None], jnp.zeros((B, 1))  # the frontier: the root
     levels = []  # per depth: (tokens [B, W], parent's index in the previous frontier [B, W], score [B, W])
     for t in range(depth):
         lq, cand = children(t, tokens)  # [B, W, K]
         W, K = lq.shape[1:]
-        path = logp[:, :, None] + lq  # [B, W, K] the children's path log-probabilities
-        child = path
-        if keys is not None:
-            depth_keys = jax.vmap(jax.random.fold_in, (0, None))(keys, t)
-            noise = jax.vmap(functools.partial(jax.random.gumbel, shape=(W, K)))(depth_keys)  # [B, W, K]
-            child = jnp.where(sampled[:, None, None], _below(score[:, :, None], path + noise), path)
-        best, index = jax.lax.top_k(child.reshape(B, W * K), min(budget, W * K))  # the next frontier
-        tokens, logp, score = cand.reshape(B, W * K)[rows, index], path.reshape(B, W * K)[rows, index], best
+        path = score[:, :, None] + lq  # [B, W, K] the children's path log-probabilities
+        score, index = jax.lax.top_k(path.reshape(B, W * K), min(budget, W * K))  # the next frontier
+        tokens = cand.reshape(B, W * K)[rows, index]
         levels.append((tokens, index // K, score))
     sizes = [lv[0].shape[1] for lv in levels]
     starts = [sum(sizes[:t]) for t in range(depth)]

@@ -193,15 +193,14 @@ class CandidateSelector(nnx.Module):
         q = None if step_keys is None else jnp.moveaxis(q, 0, 1)
         return jnp.moveaxis(drafts, 0, 1), cand, q
 
-    def children(self, hidden: jax.Array, logits: jax.Array, temperature: jax.Array):
+    def children(self, hidden: jax.Array, logits: jax.Array):
         """The selector's conditionals as a draft tree's ``decoding.tree.Children``: after a node at depth t with
-        token x, position t's candidates with log-probabilities log softmax(score(x) / temperature) (the
-        distribution the walk samples from). hidden [B, k, D], logits [B, k, V], temperature [B] (> 0)."""
+        token x, position t's candidates with log-probabilities log softmax(score(x)) (the distribution the walk
+        samples from at temperature 1). hidden [B, k, D], logits [B, k, V]."""
         scorer, cand = self.scorer(hidden, logits)
-        temp = temperature.astype(jnp.float32)[:, None, None]
 
         def children(t, tokens):  # tokens [B, W] -> ([B, W, top_k], [B, W, top_k])
-            lq = jax.nn.log_softmax(scorer(t, tokens) / temp, axis=-1)
+            lq = jax.nn.log_softmax(scorer(t, tokens), axis=-1)
             return lq, jnp.broadcast_to(cand[:, t, None], lq.shape)
 
         return children

@@ -71,10 +71,11 @@ def tpu_devices(topology: str) -> list:
 
 def check_tensor_parallel(sizes, devices: list, where: str) -> None:
     """A ValueError naming ``--tp`` for a size whose first chips of ``devices`` form no mesh (more chips than
-    there are, or a count JAX's device-mesh builder cannot lay out on the topology, e.g. 3 of a 2x2), listing
-    the sizes that do; checked before any compile."""
+    there are, or a count JAX's device-mesh builder cannot lay out on the topology, e.g. 3 of a 2x2), or, on a
+    TPU, a count that does not divide the topology's chips (libtpu's all-reduce aborts the process on a group of
+    6 of 8), listing the sizes that do; checked before any compile."""
     def fits(tp):
-        if tp > len(devices):
+        if tp > len(devices) or (devices[0].platform == "tpu" and len(devices) % tp):
             return False
         try:
             parallel.make_mesh(model=tp, devices=devices[:tp])

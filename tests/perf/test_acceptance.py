@@ -32,9 +32,10 @@ def pair():
     return _pair()
 
 
-def _measure(pair, sampling_cfg, rows=None, capacity=None, max_new=12):
+def _measure(pair, sampling_cfg, rows=None, capacity=None, max_new=12, tree=None):
     target, drafter, (tokens, lens) = pair
-    spec = SpecConfig(block_size=BLOCK, max_new_tokens=max_new, sampling=sampling_cfg, stop_ids=(), capacity=capacity)
+    spec = SpecConfig(block_size=BLOCK, max_new_tokens=max_new, sampling=sampling_cfg, stop_ids=(), capacity=capacity,
+                      tree_budget=tree)
     loop = SpeculativeLoop.of(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec)
     return measure(loop, (target.params, drafter.params), tokens, lens, rng=5, rows=rows)
 
@@ -99,3 +100,16 @@ def test_tau_is_the_loops(pair):
     assert stats.steps == int(np.asarray(out.steps).sum())
     counts = np.arange(1, BLOCK + 1)
     assert stats.accepted.sum() + stats.steps == int((np.asarray(out.accepted) * counts).sum())
+
+
+@pytest.mark.slow  # ~10 s of CPU: a tree loop's compilation; the tree itself is tests/decoding's and tests/models'
+def test_a_tree_loop_is_measured_by_its_tau(pair):
+    """Draft trees (``tree_budget``): the measured τ, steps and accepted drafts are the loop's own (``run``), and the
+    per-position rates, which a tree's nodes do not have, are NaN rather than a chain's reading of its nodes."""
+    stats = _measure(pair, T06, tree=5)
+    target, drafter, (tokens, lens) = pair
+    spec = SpecConfig(block_size=BLOCK, max_new_tokens=12, sampling=T06, stop_ids=(), tree_budget=5)
+    out = SpeculativeLoop.of(target, DFlashProposer(drafter.cfg, drafter.graphdef), spec).run(
+        (target.params, drafter.params), jnp.asarray(tokens), jnp.asarray(lens), 5)
+    assert stats.steps == int(np.asarray(out.steps).sum()) and stats.tau == pytest.approx(float(np.mean(out.tau)))
+    assert stats.accepted.sum() > 0 and np.isnan(stats.rate("rule")).all()

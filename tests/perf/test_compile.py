@@ -111,15 +111,20 @@ def test_the_compile_command_refuses_bad_flags_in_one_line_before_compiling(flag
     assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_a_tensor_parallel_size_the_error_suggests_compiles_with_the_mosaic_kernels(capsys):
-    """v5e:2x4: the --tp 3 error suggests 6, and 6 compiles the shipped decode with the TPU kernels (its 4 heads
-    split over no 6 chips: the Mosaic kernels run whole on each chip, under shard_map; before, JAX refused to
+def test_the_tensor_parallel_sizes_the_error_suggests_compile_with_the_mosaic_kernels(capsys, monkeypatch):
+    """v5e:2x4: the --tp 3 error suggests the sizes that divide its 8 chips (libtpu's all-reduce aborts the
+    process on 6 of 8: refused in one line), and 8 compiles the shipped decode with the TPU kernels (its 4 heads
+    split over no 8 chips: the Mosaic kernels run whole on each chip, under shard_map; before, JAX refused to
     partition them automatically)."""
-    assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x4", "--tp", "3"]) == 2
-    assert "use one of 1, 2, 4, 6, 8" in capsys.readouterr().err
-    setup = _shipped(compile_report.tpu_devices("v5e:2x4"), model=6, batch=1, kernels="tpu")
+    with monkeypatch.context() as m:
+        m.setattr(compile_report, "report", lambda *a, **k: pytest.fail("compiled before refusing"))
+        for tp in ("3", "6"):
+            assert main(["compile", "--shape", "shipped", "--topology", "v5e:2x4", "--tp", tp]) == 2
+            err = capsys.readouterr().err
+            assert f"--tp {tp}: the v5e:2x4 topology has 8 chips" in err and "use one of 1, 2, 4, 8\n" in err
+    setup = _shipped(compile_report.tpu_devices("v5e:2x4"), model=8, batch=1, kernels="tpu")
     (row,) = compile_report.report(setup, ("decode",))
-    assert row["chips"] == 6 and row["kernels"] == "tpu" and row["optimal_seconds"] > 0
+    assert row["chips"] == 8 and row["kernels"] == "tpu" and row["optimal_seconds"] > 0
 
 
 def test_the_cuda_error_names_the_plugin_install_docs_compile_gives():
