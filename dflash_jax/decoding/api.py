@@ -1,14 +1,16 @@
-"""The host API over the loop: ``make_generate``, ``generate``, ``stream`` and prompt padding.
+"""The host API over the loop: ``make_generate``, ``generate``, ``stream``, ``prefill_prefix`` and prompt padding.
 
 Sits on ``loop.py``: it checks and pads token-id prompts (buckets of powers of two, so a new prompt
 length rarely recompiles), builds the ``SpeculativeLoop`` of one (target, proposer, spec)
 configuration and runs it: whole on device (``generate``, or the pure function ``make_generate``
 returns, which users may ``jax.jit``, ``jax.export`` or shard) or one jitted step at a time from
-Python (``stream``, for front ends that print as they go).
+Python (``stream``, for front ends that print as they go). ``prefill_prefix`` prefills a prompt prefix once for
+``generate(prefix=)`` calls, by the mechanism the server's prefix cache uses (``decoding.prefix``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import warnings
 from collections.abc import Iterator
@@ -18,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import parallel
-from dflash_jax.decoding.loop import FinishReason, GenerateOutput, SpecConfig, SpeculativeLoop
+from dflash_jax.decoding import prefix as prefix_store
+from dflash_jax.decoding.loop import FinishReason, GenerateOutput, SpecConfig, SpeculativeLoop, tile_capacity
 from dflash_jax.decoding.proposers import DFlashProposer, NoProposer, Proposer
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.models.drafter import Drafter
@@ -151,14 +154,9 @@ def bucket_for(length: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (int(length) - 1).bit_length())
 
 
-def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh,
-           tree_budget: int | None = None):
-    """(loop, params, tokens, lengths) for a target, an optional drafter and token-id prompts.
-
-    ``drafter`` is a ``Drafter`` (DFlash) or a ``(proposer, proposer params)`` pair (e.g.
-    ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it. ``tree_budget``: draft trees
-    (``SpecConfig.tree_budget``).
-    """
+def _proposer(drafter, block_size: int | None) -> tuple[Proposer, object, int]:
+    """(proposer, its params, block) of ``drafter``: a ``Drafter`` (DFlash) or a ``(proposer, proposer params)``
+    pair (e.g. ``(MTPProposer.of(target, k), mtp_params(target))``); block size 1 drops it."""
     if drafter is None:
         proposer, pparams = NoProposer(), ()
     elif isinstance(drafter, tuple):
@@ -166,10 +164,17 @@ def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tok
     else:
         proposer, pparams = DFlashProposer(drafter.cfg, drafter.graphdef), drafter.params
     block = (proposer.max_block if drafter is not None else 1) if block_size is None else block_size
+    return (NoProposer(), (), 1) if block == 1 else (proposer, pparams, block)
+
+
+def _setup(target: Target, prompts, drafter, block_size: int | None, max_new_tokens, sampling, stop_ids, mesh,
+           tree_budget: int | None = None):
+    """(loop, params, tokens, lengths) for a target, an optional drafter (``_proposer``) and token-id prompts;
+    ``tree_budget``: draft trees (``SpecConfig.tree_budget``).
+    """
+    proposer, pparams, block = _proposer(drafter, block_size)
     spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
                       tree_budget=tree_budget)
-    if block == 1:
-        proposer, pparams = NoProposer(), ()
     rows = _token_rows(prompts)
     tokens, lengths = pad_prompts(rows, bucket_for(max((len(p) for p in rows), default=1)),
                                   vocab_size=target.cfg.vocab_size)
@@ -206,7 +211,8 @@ def _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree
 
 def generate(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,
              sampling: SamplingConfig = SamplingConfig(), stop_ids: tuple[int, ...] | None = None,
-             rng=0, mesh: jax.sharding.Mesh | None = None, tree_budget: int | None = None) -> GenerateOutput:
+             rng=0, mesh: jax.sharding.Mesh | None = None, tree_budget: int | None = None,
+             prefix: PromptPrefix | None = None) -> GenerateOutput:
     """Generates for a list of token-id prompts (the jitted convenience around ``SpeculativeLoop.run``).
 
     Prompts are right-padded to a power-of-two bucket, so prompts of similar length share one
@@ -214,11 +220,84 @@ def generate(target: Target, prompts, *, drafter=None, block_size: int | None = 
     defaults to the drafter's. With a ``mesh`` the run is sharded (see ``make_generate``); across
     processes the output's rows are spread over them (``parallel.host`` gathers them). ``tree_budget`` N
     drafts a tree of the N best prefixes of depth <= block_size - 1 per step (DDTree, ``decoding.tree``).
+    ``prefix``: a ``prefill_prefix`` every prompt starts with (and continues past): its tokens are not prefilled
+    again, and the output is the one without it (up to float rounding).
     """
     _check_call(target, drafter, block_size, max_new_tokens, sampling, rng, tree_budget)
+    if prefix is not None:
+        return _generate_after(prefix, target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids, rng,
+                               mesh, tree_budget)
     loop, params, tokens, lengths = _setup(target, prompts, drafter, block_size, max_new_tokens, sampling, stop_ids,
                                            mesh, tree_budget)
     return loop.run(params, tokens, lengths, rng)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptPrefix:
+    """A prompt prefix prefilled once (``prefill_prefix``) for ``generate(prefix=)``: its tokens, and the target's and
+    the proposer's state after them as ``decoding.prefix`` keeps it (pages of positions, the boundary state)."""
+
+    tokens: tuple[int, ...]
+    graphdef: object  # the target's graph and the proposer it was prefilled for: generate checks them
+    proposer: Proposer
+    layout: prefix_store.Layout
+    page: tuple  # every per-position array's positions [0, len(tokens)), one row
+    boundary: tuple  # every other per-row array after the last token
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+def prefill_prefix(target: Target, tokens, *, drafter=None, block_size: int | None = None) -> PromptPrefix:
+    """Prefills ``tokens`` (token ids: a system prompt, a few-shot preamble, a document) once, for ``generate`` calls
+    whose prompts start with them (``generate(..., prefix=)``): the target's cache (attention K/V, every Gated
+    DeltaNet layer's state) and the drafter's (its injected context, or the MTP head's entries) are kept, so a
+    call prefills only the rest. ``drafter`` and ``block_size`` as those calls pass them (block 1: no drafter)."""
+    _check_call(target, drafter, block_size, 1, SamplingConfig(), 0)
+    (row,), lengths = pad_prompts([tokens], vocab_size=target.cfg.vocab_size)
+    proposer, pparams, block = _proposer(drafter, block_size)
+    width = bucket_for(int(lengths[0]))
+    loop = SpeculativeLoop.of(target, proposer, SpecConfig(block_size=block, max_new_tokens=1, capacity=width))
+    params = (target.params, pparams)
+    layout = prefix_store.Layout.of(loop, params)
+    state = loop.extend(params, loop.empty(params, 1), jnp.asarray(np.pad(row, (0, width - row.size))[None]),
+                        jnp.asarray(lengths))
+    return PromptPrefix(tokens=tuple(row.tolist()), graphdef=target.graphdef, proposer=proposer, layout=layout,
+                        page=prefix_store.cut(layout, state, 0, size=row.size),
+                        boundary=prefix_store.snapshot(layout, state))
+
+
+def _generate_after(prefix: PromptPrefix, target: Target, prompts, drafter, block_size, max_new_tokens, sampling,
+                    stop_ids, rng, mesh, tree_budget) -> GenerateOutput:
+    """``generate`` of prompts that start with ``prefix``: its state pasted into every row, the rest prefilled by
+    ``extend``, then decoded as ``run`` decodes."""
+    if not isinstance(prefix, PromptPrefix):
+        raise ValueError(f"prefix must be a PromptPrefix (dflash_jax.prefill_prefix), got {type(prefix).__name__}")
+    if mesh is not None:
+        raise ValueError("prefix= runs on one device: drop mesh= (or the prefix)")
+    proposer, pparams, block = _proposer(drafter, block_size)
+    if (target.graphdef, proposer) != (prefix.graphdef, prefix.proposer):
+        raise ValueError("prefix= was prefilled for another target or drafter: pass prefill_prefix the target, "
+                         "drafter= and block_size= (1 or more) this call passes")
+    n = len(prefix)
+    rows = _token_rows(prompts)
+    for b, row in enumerate(rows):
+        if row.size <= n or tuple(row[:n].tolist()) != prefix.tokens:
+            raise ValueError(f"prompt {b} ({row.size} tokens) does not start with the prefix's {n} tokens and "
+                             f"continue past them")
+    rest = [row[n:] for row in rows]
+    tokens, lengths = pad_prompts(rest, bucket_for(max(len(r) for r in rest)), vocab_size=target.cfg.vocab_size)
+    if (message := position_warning(target.cfg, lengths + n, max_new_tokens)) is not None:
+        warnings.warn(message, PositionWarning, stacklevel=3)
+    spec = SpecConfig(block_size=block, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                      tree_budget=tree_budget)
+    capacity = tile_capacity(n + tokens.shape[1] + max_new_tokens + spec.width, jax.default_backend())
+    loop = SpeculativeLoop.of(target, proposer, dataclasses.replace(spec, capacity=capacity))
+    params = (target.params, pparams)
+    state = prefix_store.paste(prefix.layout, loop.empty(params, len(rows)), prefix.page, 0)
+    state = prefix_store.resume(prefix.layout, state, prefix.boundary)
+    state = loop.extend(params, state, jnp.asarray(tokens), jnp.asarray(lengths))
+    return loop.decode(params, loop.start(params, state, rng))[0]
 
 
 def stream(target: Target, prompts, *, drafter=None, block_size: int | None = None, max_new_tokens: int = 128,

@@ -44,6 +44,7 @@ from dflash_jax.decoding.sampling import RowSampling, SamplingConfig, accept, ch
 from dflash_jax.decoding.tree import DraftTree
 from dflash_jax.models.cache import TargetCache, init_cache
 from dflash_jax.models.target import Target, TargetOutput, commit, prefill, verify
+from dflash_jax.models.target import extend as target_extend
 
 
 class FinishReason(enum.IntEnum):
@@ -136,6 +137,19 @@ class Verified:
 
     out: TargetOutput  # logits [B, k+1, V], taps, hidden
     cache: TargetCache  # K/V rows written, GDN inputs pending: commit(cache, n) keeps n of them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """Rows of prompt prefilled so far, not yet decoding (``SpeculativeLoop.empty`` / ``extend`` / ``start``): the
+    target's cache after ``cache.lengths`` tokens, the proposer's state after the same tokens (``Proposer.extend``),
+    and the target's logits at each row's last one. A prompt prefilled in chunks, or resumed from a stored prefix
+    (``decoding.prefix``), is one of these until its first token is chosen."""
+
+    cache: TargetCache
+    proposer: object  # the proposer's state pytree
+    logits: jax.Array  # [B, V] at each row's last token (meaningless before the first extend)
 
 
 @jax.tree_util.register_dataclass
@@ -353,24 +367,69 @@ class SpeculativeLoop:
         B, P = prompts.shape
         view = TargetView.of(tparams)
         capacity = self.capacity(B, P, view.embedding.dtype)
-        keys = _row_keys(rng, B)
         out, cache = prefill(self.graphdef, tparams, prompts, prompt_lens, capacity=capacity,
                              taps=self.proposer.taps)
-        rules = self._rules(rows=rows)
-        first = choose(out.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), rules)
         state = self.proposer.init(params=pparams, view=view, prefill=out, prompts=prompts,
                                    prompt_lens=prompt_lens, capacity=capacity)
+        return self._launch(Prefix(cache=cache, proposer=state, logits=out.logits), _row_keys(rng, B), rows)
+
+    def _launch(self, prefix: Prefix, keys, rows: RowSampling | None) -> LoopState:
+        """The decode state of prefilled rows (``init``'s and ``start``'s): the first token chosen from the prefix's
+        logits with each row's key ``keys`` [B] and rules."""
+        B = keys.shape[0]
+        rules = self._rules(rows=rows)
+        first = choose(prefix.logits, jax.vmap(lambda k: jax.random.fold_in(k, 1 << 30))(keys), rules)
         max_new, block = self.spec.max_new_tokens, self.spec.block_size
-        finite = self._finite(out.logits, first, rules)
+        finite = self._finite(prefix.logits, first, rules)
         finish = jnp.where(jnp.isin(first, jnp.asarray(self.stop_ids)), FinishReason.STOP,
                            jnp.where(max_new == 1, FinishReason.LENGTH, FinishReason.RUNNING))
         return self._pin(LoopState(
-            cache=cache, proposer=state, anchor=first,
+            cache=prefix.cache, proposer=prefix.proposer, anchor=first,
             out=jnp.zeros((B, max_new + block), jnp.int32).at[:, 0].set(first),
             n_out=finite.astype(jnp.int32),
             finish=jnp.where(finite, finish, FinishReason.NONFINITE).astype(jnp.int32), keys=keys,
             step=jnp.zeros((), jnp.int32), steps=jnp.zeros((B,), jnp.int32),
             accepted=jnp.zeros((B, block), jnp.int32), rows=rows))
+
+    # -- a prompt in chunks, or resumed from a stored prefix: empty -> extend ... -> start (instead of init) --
+
+    @_phase(static=("batch",))
+    def empty(self, params, batch: int = 1) -> Prefix:
+        """``batch`` rows of no tokens at the spec's ``capacity`` (which must be set): what ``extend`` continues."""
+        tparams, pparams = params
+        if self.spec.capacity is None:
+            raise ValueError("SpeculativeLoop.empty: the spec needs a capacity (SpecConfig.capacity): a prompt "
+                             "prefilled in chunks cannot size its cache from a bucket")
+        view = TargetView.of(tparams)
+        capacity = self.spec.capacity
+        logits = jax.eval_shape(view.logits, jax.ShapeDtypeStruct((batch, self.cfg.hidden_size), view.embedding.dtype))
+        return self._pin(Prefix(
+            cache=init_cache(self.cfg, batch, capacity, view.embedding.dtype),
+            proposer=self.proposer.start(params=pparams, view=view, batch=batch, capacity=capacity),
+            logits=jnp.zeros(logits.shape, logits.dtype)), batch)
+
+    @_phase(donate_argnames="prefix")
+    def extend(self, params, prefix: Prefix, tokens, n) -> Prefix:
+        """The next n[b] (>= 1) tokens of each row's prompt, ``tokens`` [B, T] right-padded, processed by the target
+        (``target.extend``: as one prefill would, up to float rounding) and the proposer (``Proposer.extend``).
+        The caller keeps ``cache.lengths + T <= capacity``. ``prefix`` is donated."""
+        tparams, pparams = params
+        tokens, n = tokens.astype(jnp.int32), n.astype(jnp.int32)
+        out, cache = target_extend(self.graphdef, tparams, tokens, n, prefix.cache, taps=self.proposer.taps)
+        state = self.proposer.extend(params=pparams, view=TargetView.of(tparams), state=prefix.proposer, chunk=out,
+                                     tokens=tokens, n=n)
+        return self._pin(Prefix(cache=cache, proposer=state, logits=out.logits), tokens.shape[0])
+
+    def start(self, params, prefix: Prefix, rng, rows: RowSampling | None = None) -> LoopState:
+        """The decode state of a prefilled ``prefix`` (its caches donated): its first token chosen as ``init`` chooses
+        it (``rng`` and ``rows`` as ``init`` takes them), so a prompt prefilled in chunks decodes as ``init`` of it
+        whole."""
+        return self._start(params, (prefix.cache, prefix.proposer), prefix.logits, rng, rows)
+
+    @_phase(donate_argnames="caches")
+    def _start(self, params, caches, logits, rng, rows) -> LoopState:
+        cache, proposer = caches
+        return self._launch(Prefix(cache, proposer, logits), _row_keys(rng, logits.shape[0]), rows)
 
     def _pin(self, state, batch: int | None = None):
         """A loop state (or a proposer's state of ``batch`` rows) in its mesh layout (no-op without a mesh),
@@ -390,7 +449,8 @@ class SpeculativeLoop:
         if self.spec.tree_budget is not None:
             tree, pstate = self.proposer.tree(
                 params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
-                depth=self.spec.block_size - 1, budget=self.spec.tree_budget)
+                depth=self.spec.block_size - 1, budget=self.spec.tree_budget, keys=keys[:, 0],
+                sampling=self._rules(state))
             return Draft(tokens=tree.tokens[:, 1:], q=None, proposer=self._pin(pstate, tree.tokens.shape[0]),
                          accept_keys=keys[:, 1], tree=tree)
         tokens, q, pstate = self.proposer.propose(

@@ -128,19 +128,41 @@ class MTPProposer:
           prefill: the target's prefill output (``hidden`` [B, P, D]); prompt_lens: [B];
           capacity: cache length S (the target's); prompts: [B, P] int32, right-padded.
         """
+        state = self.start(params=params, view=view, batch=prompt_lens.shape[0], capacity=capacity)
+        return self.extend(params=params, view=view, state=state, chunk=prefill, tokens=prompts, n=prompt_lens)
+
+    def start(self, *, params, view: TargetView, batch: int, capacity: int) -> MTPState:
+        """No entries and nothing parked (count 0): the first ``extend`` writes as ``init`` does."""
+        cfg, W, dtype = self.cfg, self.max_block, view.embedding.dtype
+        kc, vc = empty_cache(batch, capacity, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        return MTPState(k=kc, v=vc, rope=position_table(cfg, capacity), length=jnp.zeros((batch,), jnp.int32),
+                        tokens=jnp.zeros((batch, W), jnp.int32), hidden=jnp.zeros((batch, W, cfg.hidden_size), dtype),
+                        count=jnp.zeros((batch,), jnp.int32))
+
+    def extend(self, *, params, view: TargetView, state: MTPState, chunk: TargetOutput, tokens, n):
+        """Writes the entries the chunk's tokens complete and parks its last hidden state (count 1).
+
+        Entry t pairs h_t with x_{t+1}: after a parked h_{L-1} (count 1, ``length`` L - 1) the chunk's
+        x_L .. x_{L+n-1} complete h_{L-1} .. h_{L+n-2}; from nothing (count 0) its x_1 .. x_{n-1} complete
+        h_0 .. h_{n-2}. Entries past them are dead and get overwritten.
+
+        Args:
+          chunk: the target's ``extend`` (or ``prefill``) output (``hidden`` [B, T, D]); tokens: [B, T] int32,
+            right-padded, real up to n [B] (>= 1). ``state``: from ``start`` or ``extend`` (count 0 or 1).
+        """
         mtp = self.head(params)
-        cfg, B = self.cfg, prompt_lens.shape[0]
-        kc, vc = empty_cache(B, capacity, cfg.num_key_value_heads, cfg.head_dim, prefill.hidden.dtype)
-        # Entry t pairs h_t with x_{t+1}; entries from P_b - 1 on are dead and get overwritten.
-        shifted = jnp.pad(jnp.asarray(prompts, jnp.int32)[:, 1:], ((0, 0), (0, 1)))
-        tab = position_table(cfg, capacity)
-        _, k, v = mtp_step(mtp, view, shifted, prefill.hidden, kc, vc, jnp.zeros((B,), jnp.int32), tab)
-        last = jnp.take_along_axis(prefill.hidden, (prompt_lens - 1)[:, None, None], axis=1)  # [B, 1, D]
-        W = self.max_block
-        return MTPState(k=k, v=v, rope=tab, length=(prompt_lens - 1).astype(jnp.int32),
-                        tokens=jnp.zeros((B, W), jnp.int32),
-                        hidden=jnp.pad(last, ((0, 0), (0, W - 1), (0, 0))),
-                        count=jnp.ones((B,), jnp.int32))
+        fresh = (state.count == 0)[:, None]  # [B, 1]
+        tokens = jnp.asarray(tokens, jnp.int32)
+        written = jnp.where(fresh, jnp.pad(tokens[:, 1:], ((0, 0), (0, 1))), tokens)  # [B, T]
+        hidden = chunk.hidden.astype(state.hidden.dtype)
+        after = jnp.concatenate([state.hidden[:, :1], hidden[:, :-1]], axis=1)  # [B, T, D]: the parked one first
+        _, k, v = mtp_step(mtp, view, written, jnp.where(fresh[..., None], hidden, after), state.k, state.v,
+                           state.length, state.rope)
+        last = jnp.take_along_axis(hidden, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
+        W = state.hidden.shape[1]
+        return dataclasses.replace(state, k=k, v=v, length=(state.length + state.count + n - 1).astype(jnp.int32),
+                                   hidden=jnp.pad(last, ((0, 0), (0, W - 1), (0, 0))),
+                                   count=jnp.ones_like(state.count))
 
     def propose(self, *, params, view: TargetView, state: MTPState, anchor, k: int, keys,
                 sampling: SamplingConfig):

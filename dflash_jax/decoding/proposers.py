@@ -1,9 +1,10 @@
 """Draft proposers behind one typed interface, so the loop in ``speculative.py`` does not care who drafts.
 
-A proposer is a frozen, hashable description (static under jit) implementing ``Proposer``: three pure,
+A proposer is a frozen, hashable description (static under jit) implementing ``Proposer``: pure,
 keyword-only methods, ``init`` after the target's prefill, ``propose`` of k drafts after the anchor
-and ``commit`` of the n tokens the target kept. Its parameters travel separately as a pytree
-(``params``), like the target's. What a proposer may use of the target is a ``TargetView``: the
+and ``commit`` of the n tokens the target kept; ``start`` and ``extend`` follow a prompt prefilled in
+chunks, or resumed from a stored prefix (``loop.Prefix``), instead of ``init``. Its parameters travel
+separately as a pytree (``params``), like the target's. What a proposer may use of the target is a ``TargetView``: the
 embedding and the LM head, nothing else; ``taps`` names the target layers whose outputs it consumes
 (the target returns them from prefill and verify, in ``TargetOutput.taps``).
 
@@ -70,6 +71,10 @@ class Proposer(Protocol):
       ``sampled_drafts`` says; q then per row, one-hot for argmax rows).
     - ``commit(params, view, state, verified, n [B]) -> state``: the target kept the first n of
       ``[anchor, d_1 .. d_k]`` (``verified``: the verify's ``TargetOutput``).
+    - ``start(params, view, batch, capacity) -> state``: the state of no tokens yet, which ``extend`` continues.
+    - ``extend(params, view, state, chunk, tokens [B, T], n [B]) -> state``: the target prefilled the next
+      n[b] >= 1 prompt tokens ``tokens[b, :n[b]]`` (``chunk``: its ``target.extend`` output). ``start`` then
+      ``extend`` over a prompt's chunks gives ``init``'s state of the whole prompt.
     """
 
     taps: tuple[int, ...]  # target layers whose outputs the proposer consumes
@@ -82,6 +87,11 @@ class Proposer(Protocol):
                 sampling: SamplingConfig | RowSampling) -> tuple[jax.Array, jax.Array | None, Any]: ...
 
     def commit(self, *, params, view: TargetView, state, verified: TargetOutput, n: jax.Array) -> Any: ...
+
+    def start(self, *, params, view: TargetView, batch: int, capacity: int) -> Any: ...
+
+    def extend(self, *, params, view: TargetView, state, chunk: TargetOutput, tokens: jax.Array,
+               n: jax.Array) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +108,12 @@ class NoProposer:
         return jnp.zeros((anchor.shape[0], k), jnp.int32), None, state
 
     def commit(self, *, params, view, state, verified, n):
+        return state
+
+    def start(self, *, params, view, batch, capacity):
+        return ()
+
+    def extend(self, *, params, view, state, chunk, tokens, n):
         return state
 
 
@@ -124,9 +140,8 @@ class DFlashProposer:
         return self.cfg.block_size
 
     def init(self, *, params, view, prefill: TargetOutput, prompts, prompt_lens, capacity):
-        model = nnx.merge(self.graphdef, params)
-        cache = dr.init_draft_cache(self.cfg, prompt_lens.shape[0], capacity, prefill.taps.dtype)
-        return dr.advance(dr.write_context(model, cache, prefill.taps), prompt_lens)
+        state = self.start(params=params, view=view, batch=prompt_lens.shape[0], capacity=capacity)
+        return self.extend(params=params, view=view, state=state, chunk=prefill, tokens=prompts, n=prompt_lens)
 
     def _block(self, model, view: TargetView, state, anchor, k):
         """One block pass after the anchor: (final-normed states [B, k, D] and draft logits [B, k, V] at the k
@@ -156,17 +171,29 @@ class DFlashProposer:
         model = nnx.merge(self.graphdef, params)
         return dr.advance(dr.write_context(model, state, verified.taps), n)
 
-    def tree(self, *, params, view: TargetView, state, anchor, depth, budget):
+    def start(self, *, params, view: TargetView, batch, capacity):
+        return dr.init_draft_cache(self.cfg, batch, capacity, view.embedding.dtype)
+
+    def extend(self, *, params, view, state, chunk: TargetOutput, tokens, n):
+        """The chunk's injected context K/V, as ``init`` writes the prompt's."""
+        return self.commit(params=params, view=view, state=state, verified=chunk, n=n)
+
+    def tree(self, *, params, view: TargetView, state, anchor, depth, budget, keys, sampling):
         """A draft tree of ``budget`` nodes of depth <= ``depth`` after the anchor, from one block pass:
-        (``decoding.tree.DraftTree``, the state after proposing). A DFlash drafter's tree holds the likeliest
-        paths of its per-position marginals (``tree.build``), a DFlash2 drafter's those of its candidate
-        selector's conditionals (``CandidateSelector.children``): each node's children are the next position's
-        candidates scored given the node's token. The same tree under every sampling setting (``decoding.tree``)."""
+        (``decoding.tree.DraftTree``, the state after proposing). A DFlash drafter's tree is grown from its
+        per-position marginals (``tree.build``), a DFlash2 drafter's from its candidate selector's conditionals
+        (``CandidateSelector.children``): each node's children are the next position's candidates scored given
+        the node's token. Rows with sampled drafts (``sampling``) grow a sampled tree at their temperature
+        (``tree.draft_temperature``), drawn with ``keys`` [B]; the others the likeliest paths."""
         model = nnx.merge(self.graphdef, params)
         hidden, logits, cache = self._block(model, view, state, anchor, depth)
+        temperature, sampled = draft_tree.draft_temperature(sampling, anchor.shape[0])
+        keys = None if sampled is None else keys
         if self.cfg.dflash2:
-            return draft_tree.grow(anchor, model.candidate_selector.children(hidden, logits), depth, budget), cache
-        return draft_tree.build(anchor, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), budget), cache
+            children = model.candidate_selector.children(hidden, logits, temperature)
+            return draft_tree.grow(anchor, children, depth, budget, keys, sampled), cache
+        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
+        return draft_tree.build(anchor, logprobs, budget, keys, sampled), cache
 
 
 @jax.tree_util.register_dataclass
@@ -189,8 +216,7 @@ class OracleProposer:
     max_block: int = 1 << 30
 
     def init(self, *, params: OracleParams, view, prefill, prompts, prompt_lens, capacity):
-        B = prompt_lens.shape[0]
-        return jnp.zeros((B,), jnp.int32), jnp.zeros((), jnp.int32)  # anchor index, step
+        return self.start(params=params, view=view, batch=prompt_lens.shape[0], capacity=capacity)
 
     def propose(self, *, params: OracleParams, view, state, anchor, k, keys, sampling):
         pos, step = state
@@ -204,3 +230,9 @@ class OracleProposer:
     def commit(self, *, params, view, state, verified, n):
         pos, step = state
         return pos + n, step + 1
+
+    def start(self, *, params: OracleParams, view, batch, capacity):
+        return jnp.zeros((batch,), jnp.int32), jnp.zeros((), jnp.int32)  # anchor index, step; a prompt moves neither
+
+    def extend(self, *, params, view, state, chunk, tokens, n):
+        return state

@@ -449,22 +449,25 @@ class GatedDeltaNet(nnx.Module):
         B, T = o.shape[:2]
         return self.out_proj(self.norm(o.astype(dtype), z).reshape(B, T, -1))
 
-    def prefill(self, x, lengths) -> tuple[jax.Array, GDNCache]:
-        """A right-padded prompt batch from an empty state.
+    def prefill(self, x, lengths, cache: GDNCache | None = None) -> tuple[jax.Array, GDNCache]:
+        """A right-padded prompt batch (or the next chunk of one), by the chunked form.
 
         Args:
           x: [B, P, D]; lengths: [B] real tokens per row (positions >= length are padding).
+          cache: the committed conv window and state the tokens follow (a prompt's earlier chunks); None: empty.
         Returns:
           ([B, P, D], the cache after exactly lengths[b] tokens: conv window [B, K-1, C], state f32).
         """
         cfg = self.cfg
         B, P, _ = x.shape
-        window = jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), x.dtype)
+        if cache is None:
+            cache = GDNCache(conv=jnp.zeros((B, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), x.dtype),
+                             state=jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                              cfg.linear_value_head_dim), jnp.float32))
+        window, state0 = cache.conv, cache.state
         q, k, v, g, beta, z, mixed = self._prepare(x, window, speculative=False)
         real = (jnp.arange(P)[None, :] < lengths[:, None])[..., None]  # [B, P, 1]
         g, beta = jnp.where(real, g, 0.0), jnp.where(real, beta, 0.0)  # padding leaves the state as is
-        state0 = jnp.zeros((B, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                            cfg.linear_value_head_dim), jnp.float32)
         run = lambda *a: kernels.gdn_chunked(*a, impl=self.kernels)  # noqa: E731
         o, state = _gdn(run, self.kernels, (q, k, v, g, beta, state0), (_QK, _QK, _V, _GATE, _GATE, _STATE),
                         (_V, _STATE), k, v)

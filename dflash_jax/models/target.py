@@ -86,9 +86,9 @@ class DecoderLayer(nnx.Module):
                                  None if tree is None else tree.mask)
         return self._mlp_residual(x, h), AttentionCache(k, v)
 
-    def gdn_prefill(self, x, lengths):
-        """GDN layer over a right-padded prompt from an empty state."""
-        h, cache = self.linear_attn.prefill(self.input_layernorm(x), lengths)
+    def gdn_prefill(self, x, lengths, cache: GDNCache):
+        """GDN layer over a right-padded prompt (or its next chunk) from the committed ``cache``."""
+        h, cache = self.linear_attn.prefill(self.input_layernorm(x), lengths, cache)
         return self._mlp_residual(x, h), cache
 
     def gdn_verify(self, x, cache: GDNCache, tree: Tree | None = None):
@@ -158,8 +158,8 @@ class TargetOutput:
 
 
 def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps, tree: Tree | None = None):
-    """Shared body of prefill (``lengths`` given: GDN from an empty state) and verify (``lengths`` None; a
-    ``tree``'s tokens at positions start + depth)."""
+    """Shared body of prefill and extend (``lengths`` given: GDN by the chunked form from the cache's state) and
+    verify (``lengths`` None; a ``tree``'s tokens at positions start + depth)."""
     x = model.model.embed_tokens(tokens)
     start = cache.lengths
     if tree is None:  # once for every attention layer, as transformers does
@@ -172,7 +172,7 @@ def _run(model: Qwen35ForCausalLM, tokens, cache: TargetCache, lengths, taps, tr
             if isinstance(c, AttentionCache):
                 x, c = layer.attend(x, c, start, rot, tree)
             elif lengths is not None:
-                x, c = layer.gdn_prefill(x, lengths)
+                x, c = layer.gdn_prefill(x, lengths, c)
             else:
                 x, c = layer.gdn_verify(x, c, tree)
         new_layers.append(c)
@@ -199,16 +199,37 @@ def prefill(graphdef, params, tokens, lengths, *, capacity: int, taps: tuple[int
       (TargetOutput with logits [B, V] at each row's last real token, TargetCache with lengths).
     """
     model = nnx.merge(graphdef, params)
-    cfg = model.cfg
     if tokens.shape[1] > capacity:
         raise ValueError(f"prefill: prompt bucket {tokens.shape[1]} exceeds cache capacity {capacity}")
-    dtype = model.model.embed_tokens.weight.dtype
-    cache = init_cache(cfg, tokens.shape[0], capacity, dtype)
+    return _continue(model, tokens, lengths, init_cache(model.cfg, tokens.shape[0], capacity,
+                                                       model.model.embed_tokens.weight.dtype), taps)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "taps"), donate_argnames=("cache",))
+def extend(graphdef, params, tokens, lengths, cache: TargetCache, *, taps: tuple[int, ...] = ()):
+    """Continues a prefill: the next chunk of each row's prompt after the ``cache.lengths`` tokens processed so far.
+
+    The same computation as ``prefill`` (attention over the cache and the chunk, the Gated DeltaNet layers by the
+    chunked form from the committed state and conv window), so a prompt prefilled in chunks has the cache of
+    prefilling it whole (up to float rounding). Nothing is pending: the chunk is kept, no commit follows.
+
+    Args:
+      tokens: [B, T] int32, row b real up to lengths[b] (in 1..T); cache: a committed TargetCache with
+        lengths + T <= capacity (the K/V of the padding is written and masked by length). Donated like
+        ``verify``'s.
+    Returns:
+      (TargetOutput with logits [B, V] at each row's last real token and taps / hidden [B, T, ...], the cache
+      with lengths + lengths[b]).
+    """
+    return _continue(nnx.merge(graphdef, params), tokens, lengths, cache, taps)
+
+
+def _continue(model: Qwen35ForCausalLM, tokens, lengths, cache: TargetCache, taps):
     lengths = lengths.astype(jnp.int32)
     hidden, tap_out, layers = _run(model, tokens, cache, lengths, taps)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, D]
     out = TargetOutput(logits=model.logits(last), taps=tap_out, hidden=hidden)
-    return out, dataclasses.replace(cache, lengths=lengths, layers=tuple(layers))
+    return out, dataclasses.replace(cache, lengths=cache.lengths + lengths, layers=tuple(layers))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "taps", "tree_depth"), donate_argnames=("cache",))

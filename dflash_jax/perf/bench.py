@@ -109,6 +109,15 @@ class SimulatedProposer:
         return (self.inner.commit(params=params[0], state=state[0], **kw),
                 self.oracle.commit(params=params[1], state=state[1], **kw))
 
+    def start(self, *, params, view, batch, capacity):
+        kw = dict(view=view, batch=batch, capacity=capacity)
+        return self.inner.start(params=params[0], **kw), self.oracle.start(params=params[1], **kw)
+
+    def extend(self, *, params, view, state, chunk, tokens, n):
+        kw = dict(view=view, chunk=chunk, tokens=tokens, n=n)
+        return (self.inner.extend(params=params[0], state=state[0], **kw),
+                self.oracle.extend(params=params[1], state=state[1], **kw))
+
 
 def method_loop(target, proposer, pparams, spec: SpecConfig, mesh=None, *, simulate: bool = False):
     """(loop, params) of one method as every timed run builds it (bench, generate's comparison, the

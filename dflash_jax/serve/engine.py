@@ -2,13 +2,17 @@
 
 Sits between the HTTP front end (``app.py``) and the loop (``SpeculativeLoop``): it owns one decode state of
 ``slots`` rows and a bounded queue of requests, and drives them from one thread, JetStream's shape. A
-request is prefilled alone at a bucketed prompt length (``loop.init`` on one row, with its own sampling
-settings and seed), inserted into a free slot between steps (``loop.insert``), and every slot advances in
+request takes a free slot and is prefilled alone, in chunks of at most ``max_num_batched_tokens`` tokens
+(``loop.extend`` on one row, each chunk padded to a power-of-two width) between the running slots' steps, so
+no stream waits for a whole prompt; with the prefix cache (``decoding.prefix.PrefixStore``) it resumes from
+the deepest stored snapshot of its prompt (the target's K/V and Gated DeltaNet states and the drafter's
+context) and its chunks are stored in turn. Its first token is chosen with its own sampling settings and seed
+(``loop.start``), it is inserted into its slot between steps (``loop.insert``), and every slot advances in
 the one jitted ``loop.step`` with its own acceptance; after each step the host copies what the step emitted
 (``loop.recent``), hands each request its new tokens, and frees at once the slot of a request that is done
 (a stop id, its ``max_tokens``, its caller's stop string or disconnect). Shapes never change as requests
-come and go (the slot count and the cache capacity are fixed; prompts are padded to a power-of-two bucket
-up to the context), so nothing compiles after ``warmup``. Stop ids are decided here, per request, not
+come and go (the slot count and the cache capacity are fixed; chunks are padded to a power-of-two width up to
+the chunk), so nothing compiles after ``warmup``. Stop ids are decided here, per request, not
 by the loop (whose spec has none): the tokens are the loop's, cut where ``generate``'s would stop.
 """
 
@@ -26,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import parallel
+from dflash_jax.decoding import prefix as prefix_store
 from dflash_jax.decoding.api import bucket_for
-from dflash_jax.decoding.loop import FinishReason, LoopState, SpecConfig, SpeculativeLoop, tile_capacity
+from dflash_jax.decoding.loop import FinishReason, LoopState, Prefix, SpecConfig, SpeculativeLoop, tile_capacity
 from dflash_jax.decoding.sampling import RowSampling, SamplingConfig
 from dflash_jax.serve import schedule
 from dflash_jax.serve.schedule import Option
@@ -44,6 +49,7 @@ class Closed(Exception):
 
 
 FINISHED_KEPT = 1024  # /stats keeps the records of this many most recent finished requests
+DEFAULT_BATCHED_TOKENS = 256  # prompt tokens prefilled between two steps (--max-num-batched-tokens): a chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +57,14 @@ class Finish:
     """How a request ended: ``reason`` "stop" (a stop id or string), "length" (max_tokens), "abort"
     (cancelled: its client left) or "nonfinite" (the target's logits had no finite peak); ``tokens``: the
     completion's tokens (up to the one that ended it); ``steps``: target verify steps it took to emit them;
-    ``accepted``: drafts the target accepted among them."""
+    ``accepted``: drafts the target accepted among them; ``cached``: prompt tokens resumed from the prefix cache
+    instead of prefilled (OpenAI's usage.prompt_tokens_details.cached_tokens)."""
 
     reason: str
     tokens: int
     steps: int
     accepted: int
+    cached: int = 0
 
 
 @dataclasses.dataclass(eq=False)
@@ -76,6 +84,9 @@ class Job:
     cancelled: bool = False  # set by the caller (e.g. its client disconnected); the engine frees the slot
     slot: int = -1
     sent: int = 0  # tokens handed to emit so far
+    cached: int = 0  # prompt tokens resumed from the prefix cache
+    done: int = 0  # prompt tokens prefilled so far (cached ones included)
+    row: Prefix | None = None  # the prompt's one-row prefill while it is prefilled in chunks
     marks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # per step: (tokens out, steps,
     # accepted drafts) of its row, cumulative: which steps and drafts the first n tokens took (``figures``)
 
@@ -115,6 +126,12 @@ class Engine:
     of the last ``keep`` finished requests; ``start`` runs the engine's thread; ``close`` stops taking requests
     and, with ``drain``, finishes every accepted one first.
 
+    Prompts are prefilled in chunks of at most ``max_num_batched_tokens`` (None: ``DEFAULT_BATCHED_TOKENS``)
+    prompt tokens per engine iteration, between steps. ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
+    prefix cache of that many bytes (blocks of ``prefix_block`` tokens, snapshots where a chunk ends on a block
+    boundary and at the last boundary before a prompt's last token; ``decoding.prefix``): a request resumes
+    from the deepest one its prompt matches (``Finish.cached`` tokens) and prefills the rest.
+
     Speculation by load (``schedule.py``): each step runs one of ``options`` (blocks or tree budgets, default:
     the loop's own; each a loop of the same capacity whose block and width are at most ``loop``'s, which lays out
     the state) over the smallest of the ``rows`` buckets (default: all slots) that holds the running rows, which
@@ -124,7 +141,9 @@ class Engine:
 
     def __init__(self, loop: SpeculativeLoop, params, *, slots: int, max_model_len: int, max_queue: int,
                  keep: int = FINISHED_KEPT, options: Sequence[Option] | None = None,
-                 rows: Sequence[int] | None = None, prior: Sequence[float] | None = None):
+                 rows: Sequence[int] | None = None, prior: Sequence[float] | None = None,
+                 prefix_cache_bytes: int = 0, max_num_batched_tokens: int | None = None,
+                 prefix_block: int = prefix_store.DEFAULT_BLOCK):
         if slots < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {slots}")
         if max_queue < 1:
@@ -138,6 +157,16 @@ class Engine:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stats = Stats(finished=collections.deque(maxlen=keep))
+        chunk = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
+        if chunk < prefix_block:
+            raise ValueError(f"--max-num-batched-tokens must be >= {prefix_block} (a block of the prefix cache), "
+                             f"got {chunk}")
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"--prefix-cache-size must be >= 0 bytes (0: no prefix cache), got {prefix_cache_bytes}")
+        self.prefix_block, self.chunk = prefix_block, min(chunk, bucket_limit(max_model_len))
+        self.store = prefix_store.PrefixStore(prefix_block, prefix_cache_bytes) if prefix_cache_bytes else None
+        self._layout = prefix_store.Layout.of(loop, params) if self.store else None
+        self._prefilling: collections.deque[Job] = collections.deque()  # admitted (a slot held), prefilling
         spec = loop.spec
         options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
         rows = tuple(rows or (slots,))
@@ -164,30 +193,57 @@ class Engine:
         return tile_capacity(bucket_limit(max_model_len) + max_model_len + width, jax.default_backend())
 
     def buckets(self) -> list[int]:
-        """The prompt lengths prefill compiles for: powers of two from 16, the last one the context."""
+        """The widths a prompt chunk is padded to (one prefill program each): powers of two from 16, the last one
+        the chunk (``--max-num-batched-tokens``)."""
         out, b = [], bucket_for(1)
-        while b < self.max_model_len:
+        while b < self.chunk:
             out.append(b)
             b *= 2
-        return out + [bucket_limit(self.max_model_len)]
+        return out + [self.chunk]
+
+    def _next_chunk(self, prompt: list[int], done: int) -> int:
+        """Where the chunk of ``prompt`` after its first ``done`` tokens ends: at most ``chunk`` tokens on, at a block
+        boundary unless at the prompt's end, and at the last boundary before the prompt's last token (where the
+        prefix cache keeps a snapshot: the one a resent or continued conversation resumes from)."""
+        block, end = self.prefix_block, min(done + self.chunk, len(prompt))
+        resend = (len(prompt) - 1) // block * block
+        if done < resend < end:
+            return resend
+        return end if end == len(prompt) else end // block * block
+
+    def _extend(self, row: Prefix, prompt: list[int], done: int) -> tuple[Prefix, int]:
+        """``row`` after the next chunk of ``prompt`` (``done`` tokens in), and the tokens done then."""
+        end = self._next_chunk(prompt, done)
+        return self.loop.extend(self.params, row, *self._chunk(prompt[done:end])), end
+
+    def _chunk(self, tokens: list[int]) -> tuple[jax.Array, jax.Array]:
+        """(tokens [1, width], n [1]) of a chunk, padded to the smallest width that holds it."""
+        width = next(w for w in self.buckets() if w >= len(tokens))
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(tokens)] = tokens
+        n = np.array([len(tokens)], np.int32)
+        if self.loop.mesh is not None:
+            padded, n = parallel.shard_rows(self.loop.mesh, padded, n)
+        return jnp.asarray(padded), jnp.asarray(n)
+
+    def _launch(self, row: Prefix, sampling: SamplingConfig, seed: int) -> LoopState:
+        """The one-row decode state of a prefilled ``row``: the first token chosen with its own settings and ``seed``
+        (``seed_key``: a seed under 2**31 draws as ``generate --seed`` does)."""
+        return self.loop.start(self.params, row, jnp.asarray(seed_key(seed)), RowSampling.of([sampling]))
 
     def _prefill(self, prompt: list[int], sampling: SamplingConfig, seed: int) -> LoopState:
-        """A one-row state of ``prompt`` padded to its bucket: the first token chosen with its own settings and
-        ``seed`` (``seed_key``: a seed under 2**31 draws as ``generate --seed`` does)."""
-        bucket = min(bucket_for(len(prompt)), bucket_limit(self.max_model_len))
-        tokens = np.zeros((1, bucket), np.int32)
-        tokens[0, :len(prompt)] = prompt
-        lens = np.array([len(prompt)], np.int32)
-        if self.loop.mesh is not None:
-            tokens, lens = parallel.shard_rows(self.loop.mesh, tokens, lens)
-        return self.loop.init(self.params, jnp.asarray(tokens), jnp.asarray(lens), jnp.asarray(seed_key(seed)),
-                              RowSampling.of([sampling]))
+        """A one-row state of ``prompt``, prefilled in chunks without the prefix cache, and its first token."""
+        row, done = self.loop.empty(self.params, 1), 0
+        while done < len(prompt):
+            row, done = self._extend(row, prompt, done)
+        return self._launch(row, sampling, seed)
 
     def _empty_state(self) -> LoopState:
         """``slots`` free rows (each a copy of a one-token prefill, marked finished so no step changes it)."""
         row = self._prefill([0], SamplingConfig(), 0)
         state = jax.tree.map(lambda x: jnp.repeat(x, self.slots, 0) if x.ndim and x.shape[0] == 1 else x, row)
-        return dataclasses.replace(state, finish=jnp.full((self.slots,), FinishReason.STOP, jnp.int32))
+        # not weak-typed (as jnp.full's would be): a step's and insert's finish is not, and insert compiles once
+        return dataclasses.replace(state, finish=jnp.asarray(np.full(self.slots, FinishReason.STOP, np.int32)))
 
     def warmup(self, progress: Callable[[str], None] | None = None) -> None:
         """Compiles every program serving runs (prefill per bucket, insert, a step per rows bucket and option, the
@@ -195,14 +251,13 @@ class Engine:
         table (each step's own time, plus the host copy every step waits for); the slots stay free.
         ``progress(message)`` hears of each program as it compiles."""
         say = progress or (lambda message: None)
-        buckets, programs = self.buckets(), self.schedule.programs()
-        total = len(buckets) + len(programs)
-        for k, bucket in enumerate(buckets, 1):
-            say(f"program {k} of {total}: prefill of {bucket} tokens")
-            row = self._prefill([0] * bucket, SamplingConfig(), 0)
-            self.state = self.loop.insert(self.state, row, jnp.asarray(0, jnp.int32))
+        prefill, programs = self._prefill_programs(), self.schedule.programs()
+        total = len(prefill) + len(programs)
+        for k, (what, run) in enumerate(prefill, 1):
+            say(f"program {k} of {total}: {what}")
+            run()
         self.state = self._free_rows(self.state, np.ones(self.slots, bool))
-        for k, (rows, option) in enumerate(programs, len(buckets) + 1):
+        for k, (rows, option) in enumerate(programs, len(prefill) + 1):
             say(f"program {k} of {total}: a step of {rows} rows at {option.name}")
             self._time_step((rows, option))
         say(f"timing {len(programs)} steps")
@@ -211,6 +266,35 @@ class Engine:
         self.schedule.costs = {p: c + copy for p, c in costs.items()}
         log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
                  "tree of N nodes), the host copy of %.2f ms included:\n%s", copy * 1e3, self.schedule.table())
+
+    def _prefill_programs(self) -> list[tuple[str, Callable[[], None]]]:
+        """(what, run) of each program that admitting a request runs, in order (an empty row, a prompt chunk per
+        width, with the prefix cache its copies and restores of a page and a boundary, the first token and the
+        insertion into a slot: slot 0, left for the caller to free); each run compiles one."""
+        held, store, layout = {}, prefix_store, self._layout
+
+        def chunk(width):
+            held["row"] = self.loop.extend(self.params, held["row"], *self._chunk([0] * width))
+
+        def first():
+            held["state"] = self._launch(held.pop("row"), SamplingConfig(), 0)
+
+        programs = [("an empty prompt row", lambda: held.update(row=self.loop.empty(self.params, 1)))]
+        programs += [(f"a prompt chunk of {w} tokens", lambda w=w: chunk(w)) for w in self.buckets()]
+        if self.store is not None:
+            block = self.prefix_block
+            programs += [
+                ("prefix cache: a page copied",
+                 lambda: held.update(page=store.cut(layout, held["row"], 0, size=block))),
+                ("prefix cache: a boundary copied", lambda: held.update(boundary=store.snapshot(layout, held["row"]))),
+                ("prefix cache: a page restored", lambda: held.update(row=store.paste(layout, held["row"],
+                                                                                      held["page"], 0))),
+                ("prefix cache: a boundary restored", lambda: held.update(row=store.resume(layout, held["row"],
+                                                                                           held["boundary"])))]
+        programs += [("the first token", first),
+                     ("a request into a slot", lambda: setattr(self, "state", self.loop.insert(
+                         self.state, held.pop("state"), jnp.asarray(0, jnp.int32))))]
+        return programs
 
     def _time_step(self, program: tuple[int, Option]) -> None:
         rows, option = program
@@ -251,7 +335,14 @@ class Engine:
             return dict(dataclasses.asdict(s), finished_kept=self._stats.finished.maxlen, active=len(self._active),
                         waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size,
                         tree_budget=self.loop.spec.tree_budget, drafts_per_step=self.drafts_per_step,
-                        speculation=self.schedule.as_dict())
+                        speculation=self.schedule.as_dict(), prefilling=len(self._prefilling),
+                        prefix_cache=self.prefix_cache_stats())
+
+    def prefix_cache_stats(self) -> dict:
+        """The prefix cache's counters (``PrefixStore.stats``; zeros when it is off)."""
+        if self.store is None:
+            return dict(hits=0, misses=0, evictions=0, bytes=0, capacity_bytes=0, entries=0, cached_tokens=0)
+        return self.store.stats()
 
     @property
     def drafts_per_step(self) -> int:
@@ -269,7 +360,7 @@ class Engine:
         with self._cond:
             self._closing = True
             if not drain:
-                for job in [*self._pending, *self._active.values()]:
+                for job in [*self._pending, *self._prefilling, *self._active.values()]:
                     job.cancel()
             self._cond.notify()
         if self._thread is not None:
@@ -284,17 +375,18 @@ class Engine:
         except Exception:  # a bug or a device failure: every waiting caller gets an answer, not a hang
             log.exception("the engine failed; aborting every request")
             with self._cond:
-                jobs, self._closing = [*self._pending, *self._active.values()], True
+                jobs, self._closing = [*self._pending, *self._prefilling, *self._active.values()], True
                 self._pending.clear()
+                self._prefilling.clear()
                 self._active.clear()
             for job in jobs:
-                job.emit([], Finish("abort", job.sent, *job.figures(job.sent)))
+                job.emit([], Finish("abort", job.sent, *job.figures(job.sent), job.cached))
 
     def _iterate(self) -> bool:
-        """Admits waiting requests into free slots, hands out what the last step emitted, steps; False once
-        closed and empty."""
+        """Admits waiting requests into free slots, prefills a chunk of the admitted prompts (``_prefill_some``),
+        hands out what the last step emitted, steps; False once closed and empty."""
         with self._cond:
-            while not self._pending and not self._active:
+            while not self._pending and not self._active and not self._prefilling:
                 if self._closing:
                     return False
                 self._cond.wait()
@@ -307,10 +399,8 @@ class Engine:
                 job.slot = heapq.heappop(self._free)
                 admit.append(job)
         for job in admit:
-            row = self._prefill(job.prompt, job.sampling, job.seed)
-            self.state = self.loop.insert(self.state, row, jnp.asarray(job.slot, jnp.int32))
-            with self._cond:
-                self._active[job.slot] = job
+            self._admit(job)
+        self._prefill_some()
         n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
         self._observe(accepted)
         # A step emits at most a block of tokens (a chain's block - 1 drafts and the bonus; a tree's path is at most
@@ -345,7 +435,7 @@ class Engine:
             with self._cond:
                 del self._active[slot]
                 heapq.heappush(self._free, slot)
-                self._finish(job, Finish(reason, job.sent, *job.figures(job.sent)))
+                self._finish(job, Finish(reason, job.sent, *job.figures(job.sent), job.cached))
         if done.any():
             self.state = self._free_rows(self.state, done)
         if self._active:
@@ -355,6 +445,50 @@ class Engine:
             self.state = self._loops[self._last].step_rows(self.params, self.state, rows)
             self._stats.engine_steps += 1
         return True
+
+    def _admit(self, job: Job) -> None:
+        """Starts prefilling ``job`` (its slot held): from the deepest snapshot of its prompt in the prefix cache,
+        restored with every page before it, when there is one."""
+        row = self.loop.empty(self.params, 1)
+        if self.store is not None:
+            hit = self.store.lookup(job.prompt)
+            for b, page in enumerate(hit.pages):
+                row = prefix_store.paste(self._layout, row, page, b * self.prefix_block)
+            if hit.length:
+                row = prefix_store.resume(self._layout, row, hit.boundary)
+            job.cached = job.done = hit.length
+        job.row = row
+        self._prefilling.append(job)
+
+    def _prefill_some(self) -> None:
+        """Prefills the admitted prompts' next chunks, oldest first, up to ``chunk`` tokens in all (so no running
+        stream waits for more than that between two steps); the prefix cache keeps each chunk that ends at a block
+        boundary. A prompt done gets its first token and joins the slots."""
+        budget, block = self.chunk, self.prefix_block
+        while self._prefilling:
+            job = self._prefilling[0]
+            if job.cancelled:
+                self._prefilling.popleft()
+                with self._cond:
+                    heapq.heappush(self._free, job.slot)
+                    self._finish(job, Finish("abort", 0, 0, 0, job.cached))
+                continue
+            size = self._next_chunk(job.prompt, job.done) - job.done
+            if size > budget:
+                return
+            budget -= size
+            job.row, job.done = self._extend(job.row, job.prompt, job.done)
+            if self.store is not None and job.done % block == 0:
+                row = job.row
+                self.store.add(job.prompt[:job.done],
+                               lambda b, row=row: prefix_store.cut(self._layout, row, b * block, size=block),
+                               lambda row=row: prefix_store.snapshot(self._layout, row))
+            if job.done == len(job.prompt):
+                self._prefilling.popleft()
+                row, job.row = self._launch(job.row, job.sampling, job.seed), None
+                self.state = self.loop.insert(self.state, row, jnp.asarray(job.slot, jnp.int32))
+                with self._cond:
+                    self._active[job.slot] = job
 
     def _observe(self, accepted: np.ndarray) -> None:
         """Tells ``schedule`` what the last step accepted: each row's histogram [slots, block] less what was

