@@ -522,18 +522,20 @@ def test_bench_gives_each_method_its_own_shipped_drafter(tmp_path, capsys, monke
 
 
 @shipped
-def test_generate_and_bench_keep_their_programs_in_the_compilation_cache(tmp_path, capsys):
-    """``--compilation-cache-dir`` (serve's flag, ``compile_cache``) on generate and bench: what generate
-    compiles is written there, for the next run to load."""
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_generate_and_bench_keep_their_programs_in_the_compilation_cache(tmp_path, monkeypatch, command):
+    """``--compilation-cache-dir`` (serve's flag, ``compile_cache``: its own tests show programs kept and loaded) on
+    generate and bench, enabled with the folder given before anything compiles."""
     from dflash_jax import compile_cache
 
-    for command in ("generate", "bench"):
-        assert "--compilation-cache-dir" in cli.build_parser([command])._subparsers._group_actions[0].choices[
-            command].format_help()
-    cache = tmp_path / "cache"
-    try:
-        assert cli.main(["generate", "def f(x):", "--block-size", "1", "--no-compare", "--max-new-tokens", "2",
-                         "--quiet", "--compilation-cache-dir", str(cache)]) == 0
-    finally:
-        compile_cache.enable()  # the run's own folder again (tests/conftest.py)
-    assert any(cache.iterdir())
+    class Enabled(Exception):
+        pass
+
+    def enable(path=None):
+        raise Enabled(path)
+
+    monkeypatch.setattr(compile_cache, "enable", enable)
+    argv = ["x", "--no-compare"] if command == "generate" else ["--out", str(tmp_path / "o"), "--quiet"]
+    with pytest.raises(Enabled) as got:
+        cli.main([command, *argv, "--compilation-cache-dir", str(tmp_path / "cache")])
+    assert got.value.args == (str(tmp_path / "cache"),)
