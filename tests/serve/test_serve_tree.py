@@ -2,7 +2,8 @@
 flags read as the tree they name, the slots' cache holding a tree's N + 1 verify tokens, and a real server on the
 shipped pair driven by the ``openai`` client: greedy text under continuous batching (more requests than slots,
 a tree per row) equal to plain decoding, a seeded sampled request among others equal to the library's
-``generate`` with the same tree and seed, and SGLang's acceptance figures counting a tree's N drafts a step."""
+``generate`` with the same tree and seed, and SGLang's acceptance figures counting a tree's N drafts a step. A
+DFlash2 drafter's tree is served alike (grown from its candidate selector)."""
 
 import argparse
 import json
@@ -80,7 +81,11 @@ def test_serve_builds_the_engine_of_the_tree_it_was_given(monkeypatch):
     engine = served.engine
     assert (engine.loop.spec.tree_budget, engine.loop.spec.block_size, engine.slots) == (40, 16, 32)
     assert engine.loop.spec.capacity == Engine.capacity(64, 41) and engine.drafts_per_step == 40
-    assert served.speculative
+    assert served.speculative and not engine.loop.proposer.cfg.dflash2  # the shipped target's default drafter
+    config = json.dumps({"method": "ddtree", "model": str(frontend.ASSETS / "dflash2"), "num_speculative_tokens": 24})
+    served, _ = cli_serve.build(_args("--speculative-config", config, "--max-model-len", "64", "--no-warmup"))
+    loop = served.engine.loop  # a DFlash2 drafter: its tree grown from the selector (DFlashProposer.tree)
+    assert loop.proposer.cfg.dflash2 and (loop.spec.tree_budget, loop.spec.block_size) == (24, 16)
 
 
 @pytest.fixture(scope="module")
