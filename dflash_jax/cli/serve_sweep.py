@@ -16,7 +16,7 @@ def cmd_serve_sweep(args) -> int:
         if not sep or not name or not url.startswith("http"):
             raise ValueError(f"--server {item}: expected NAME=URL, e.g. auto=http://127.0.0.1:8000")
         servers[name] = url
-    sink = open(args.out, "a") if args.out else None  # noqa: SIM115
+    sink = open(args.jsonl, "a") if args.jsonl else None  # noqa: SIM115
 
     def say(line):
         print(line, file=sys.stderr, flush=True)
@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (z-lab's flag)")
     p.add_argument("--prompts", type=int, default=2, help="timed requests per run: this x the concurrency (>= 4)")
     p.add_argument("--prompt-chars", type=int, help="cut each HumanEval prompt to its first N characters")
-    p.add_argument("--out", metavar="FILE.jsonl", help="also append every run as a JSON line here")
+    p.add_argument("--jsonl", metavar="FILE", help="also append every run as a JSON line here")
     p.set_defaults(func=cmd_serve_sweep)
 
 

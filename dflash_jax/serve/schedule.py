@@ -13,12 +13,13 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
   trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per step that brings some, so it
   follows the workload.
 
-``choose(top)`` takes the rows bucket of ``top`` (highest running slot + 1) and the option with the most expected
-tokens per second there, E[tokens | option] / cost(R, option) (the running rows' count is common to all options);
-plain decoding (block 1, E = 1) wins when nothing pays. An option whose evidence is stale is explored now and
-then: an option never seen at once, else after enough steps that exploring costs at most ``EXPLORE_SHARE`` of the
-time, (cost(R, o) / cost(R, best) - 1) / period <= EXPLORE_SHARE: without it, a server that chose block 1 under
-load would never learn that speculation pays again.
+``choose(top)`` takes, among the rows buckets that hold ``top`` rows (highest running slot + 1; for each option
+the bucket where it costs least: a smaller bucket copies its rows in and out, which can cost more than running
+every slot), the option with the most expected tokens per second, E[tokens | option] / cost(R, option) (the
+running rows' count is common to all options); plain decoding (block 1, E = 1) wins when nothing pays. An option
+with little evidence (under ``MIN_EVIDENCE`` row-steps) is explored at once, a stale one after enough steps that
+exploring costs at most ``EXPLORE_SHARE`` of the time, (cost(R, o) / cost(R, best) - 1) / period <=
+EXPLORE_SHARE: without it, a server that chose block 1 under load would never learn that speculation pays again.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -42,7 +43,8 @@ from dflash_jax.decoding import blocksize
 ROUNDS = 3  # timed steps per program at warm-up (interleaved); a program's cost is their median
 DECAY = 0.97  # the weight of older evidence, per step that brings new evidence of the same kind
 EXPLORE_SHARE = 0.02  # exploring a stale option costs at most this share of the steps' time
-PRIOR_STEPS = 2.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
+PRIOR_STEPS = 1.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
+MIN_EVIDENCE = 16.0  # row-steps of evidence an informative option gathers before its estimate is trusted
 RECENT = 64  # choices /stats keeps
 
 
@@ -111,6 +113,7 @@ class Schedule:
         a = np.full(depth, 0.5) if prior is None else np.resize(np.asarray(prior, float), depth)
         self._reach = np.full(depth, PRIOR_STEPS)  # decayed steps that reached draft position k (k = 1 .. depth)
         self._passed = PRIOR_STEPS * a  # ... and accepted it
+        self._seen = 0.0  # decayed row-steps of chain evidence (the prior's excluded)
         self._trees = {o: [0.0, 0.0] for o in self.options if o.budget is not None}  # decayed [steps, drafts]
         self._since = dict.fromkeys(self.options, math.inf)  # steps since an option last ran
         self.costs: dict[tuple[int, Option], float] = {}
@@ -143,23 +146,31 @@ class Schedule:
         longest = max((o.block for o in self.options if o.budget is None), default=1)
         return option.budget is not None or (option.block == longest > 1)
 
+    def _evidence(self, option: Option) -> float:
+        """Decayed row-steps of evidence behind ``option``'s estimate."""
+        return self._seen if option.budget is None else self._trees[option][0]
+
     def choose(self, top: int, active: int | None = None, sampled: bool = False) -> tuple[int, Option]:
         """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row (``active`` of
         them; for /stats only). ``sampled``: some row samples (temperature > 0): the step runs the largest option,
         the method as given, so that a seeded request reproduces itself whatever the load (the module doc)."""
-        rows = self.bucket(top)
-        cost = {o: self.costs.get((rows, o)) for o in self.options}
+        fits = [r for r in self.rows if r >= top]
+        # each option in the bucket where it costs least (a larger one may: a smaller one copies its rows)
+        where = {o: min(fits, key=lambda r: (self.costs.get((r, o), math.inf), r)) for o in self.options}
+        cost = {o: self.costs.get((where[o], o)) for o in self.options}
         if sampled or any(c is None for c in cost.values()):
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
+            rows = self.bucket(top)
         else:
             choice = min(self.options, key=lambda o: (-self.expected(o) / cost[o], o.width))
             why = "best"
             for o in self.options:
                 if o != choice and self._informs(o):
                     period = max(cost[o] / cost[choice] - 1, 0.0) / EXPLORE_SHARE
-                    if self._since[o] >= period:
+                    if self._since[o] >= period or self._evidence(o) < MIN_EVIDENCE:
                         choice, why = o, "explore"
                         break
+            rows = where[choice]
         for o in self.options:
             self._since[o] += 1
         self._since[choice] = 0
@@ -183,6 +194,7 @@ class Schedule:
         depth = min(option.block - 1, self._reach.size)
         self._reach *= DECAY
         self._passed *= DECAY
+        self._seen = DECAY * self._seen + h.sum()
         self._reach[:depth] += at_least[:depth]  # position k reached: >= k - 1 accepted
         self._passed[:depth] += at_least[1:depth + 1]  # position k accepted: >= k accepted
 

@@ -63,9 +63,9 @@ def test_trees_are_weighed_by_their_own_acceptance():
     small, big = Option(16, 8), Option(16, 32)
     costs = {4: {PLAIN: 1.0, small: 1.2, big: 2.0}}
     s = _schedule(costs, options=(PLAIN, small, big), rows=(4,))
-    assert {s.choose(1)[1], s.choose(1)[1]} == {small, big}  # each tree budget explored once, unseen
-    _accepting(s, small, 3, 20)
-    _accepting(s, big, 4, 20)
+    assert s.choose(1) == (4, big)  # no evidence yet (the unseen small one looks best): explored
+    _accepting(s, small, 3, 30)
+    _accepting(s, big, 4, 30)
     assert s.expected(small) == pytest.approx(4.0) and s.expected(big) == pytest.approx(5.0)
     assert s.choose(3) == (4, small)  # 4 / 1.2 beats 5 / 2 and 1 / 1
 
