@@ -5,27 +5,35 @@ Checks the flags and the model configs before any weight loads (the method as ``
 port in use is refused before anything loads), loads the target and proposer through ``frontend.py``, builds the
 engine (``serve/engine.py``) over ``--max-num-seqs`` slots of ``--max-model-len`` tokens, which with
 ``--block-size auto`` (the default) chooses the block each step for the rows it runs (``serve/schedule.py``; a
-draft tree as given unless ``--auto-candidates`` names budgets), compiles and times its programs, and serves the app
-(``serve/app.py``) with uvicorn on the bound socket until SIGINT or SIGTERM:
-then it stops taking connections, finishes the requests in flight, and exits.
+draft tree as given unless ``--auto-candidates`` names budgets), compiles and times its programs (kept across starts in
+``--compilation-cache-dir``: ``compile_cache.py``), saying what it does at each phase, and serves the app
+(``serve/app.py``) with uvicorn (``serve/server.py``) on the bound socket until SIGINT or SIGTERM: then it stops
+taking connections, finishes the requests in flight, and exits. An engine that fails ends it with status 1.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 import socket
 import sys
+import time
 
 import jax
 
-from dflash_jax import frontend, parallel
+from dflash_jax import compile_cache, frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import DrafterConfig, read_target_config
+from dflash_jax.decoding import prefix as prefix_store
+from dflash_jax.serve.engine import DEFAULT_BATCHED_TOKENS
 
 log = logging.getLogger("dflash_jax.serve")
 
 DEFAULT_MAX_MODEL_LEN = 2048
 SHIPPED_NAME = "dflash-jax-shipped"  # the model id of the shipped pair (no --model given)
+KEEP_ALIVE_S = 5  # uvicorn's and vLLM's
+READ_TIMEOUT_S = 60.0
 
 
 def _settings(args):
@@ -36,7 +44,7 @@ def _settings(args):
     draft_path, draft_flag = drafter_source(args, spec)
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1 (1 = plain decoding), got {args.block_size}")
-    for flag in ("max_num_seqs", "max_queue_len", "max_model_len"):
+    for flag in ("max_num_seqs", "max_queue_len", "max_model_len", "max_num_batched_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
@@ -82,11 +90,14 @@ def build(args, mesh=None, settings=None):
 
     model_dir, draft_dir, method, max_len, cfg = settings or _settings(args)
     dtype = args.dtype or frontend.default_dtype()
+    started = time.perf_counter()
+    log.info("loading %s%s (%s) ...", model_dir, "" if draft_dir is None else f" and {draft_dir}", dtype)
     target, drafter = frontend.load_models(model_dir, draft_dir, [method], dtype=frontend.DTYPES[dtype],
                                           progress=False, mesh=mesh, draft_window=getattr(args, "draft_window", None))
     if method.kind == "mtp" and not frontend.has_mtp(target):
         raise ValueError(f"--speculative-config: method 'mtp' needs the mtp.* weights; {model_dir} has none")
     tokenizer = frontend.load_tokenizer(args.tokenizer or model_dir, "--tokenizer" if args.tokenizer else "--model")
+    log.info("loaded in %.1f s", time.perf_counter() - started)
     if not getattr(tokenizer, "chat_template", None):
         log.warning("the tokenizer has no chat template: a chat request's messages are encoded as raw text (their "
                     "contents joined by newlines), as `generate --chat-template auto` encodes a prompt")
@@ -100,9 +111,14 @@ def build(args, mesh=None, settings=None):
     if mesh is not None:
         params = parallel.shard_params(params, mesh, target.cfg, proposer)
     card = blocksize.read_card(draft_dir) if draft_dir is not None and options else None
+    log.info("building the engine: %d empty slots (one prefill program) ...", args.max_num_seqs)
     engine = Engine(loop, params, slots=args.max_num_seqs, max_model_len=max_len,
                     max_queue=args.max_queue_len or 4 * args.max_num_seqs, options=options, rows=rows,
-                    prior=card.acceptance if card is not None and card.fits(draft_dir) else None)
+                    prior=card.acceptance if card is not None and card.fits(draft_dir) else None,
+                    prefix_cache_bytes=_prefix_cache_bytes(args), max_num_batched_tokens=args.max_num_batched_tokens)
+    cache = f"{engine.store.capacity_bytes / 2**30:.2f} GiB in blocks of {engine.prefix_block} tokens" if engine.store \
+        else "off (--no-enable-prefix-caching)"
+    log.info("prefix cache: %s; prompts prefilled in chunks of up to %d tokens", cache, engine.chunk)
     if options:
         log.info("speculation by load: each step runs %s over the running rows' bucket of %s; the step costs are "
                  "timed at warm-up", " or ".join(o.name for o in engine.schedule.options),
@@ -110,8 +126,8 @@ def build(args, mesh=None, settings=None):
     log.info("serving %s (%s, block %d) with %d slots of %d tokens on %s", model_dir, method.name, method.block,
              args.max_num_seqs, max_len, jax.default_backend())
     if not args.no_warmup:
-        log.info("compiling prefill (buckets %s), insert and step ...", engine.buckets())
-        engine.warmup()
+        log.info("warm-up: compiling prefill (buckets %s), insert and step ...", engine.buckets())
+        engine.warmup(progress=lambda note: log.info("warm-up: %s", note))
     served = Served(engine=engine, tokenizer=tokenizer, model_name=model_name(args), eos_ids=tuple(cfg.eos_token_ids),
                     speculative=method.block > 1)
     return served, create_app(served)
@@ -158,21 +174,67 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
+def memory_size(text: str) -> int | float:
+    """``--prefix-cache-size``: bytes (an integer with an optional K, M, G or T suffix, powers of 1024), or a
+    fraction in (0, 1) of the memory (``_memory_bytes``), kept as a float until the device is known."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    number, unit = text.strip().upper().removesuffix("B").removesuffix("I"), ""
+    if number[-1:] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        if "." in number and not unit:
+            fraction = float(number)
+            if 0 < fraction < 1:
+                return fraction
+        elif int(number) >= 0:
+            return int(number) * units[unit]
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected bytes (e.g. 512M, 2G, 1073741824) or a fraction of the memory in "
+                                     f"(0, 1) (e.g. 0.1), got {text!r}")
 
+
+def _memory_bytes() -> int:
+    """The memory the prefix cache's fraction is of: the first device's (its allocator's limit), else the host's."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _prefix_cache_bytes(args) -> int:
+    """The prefix cache's bytes (0: off) from ``--enable-prefix-caching`` and ``--prefix-cache-size``."""
+    if not args.enable_prefix_caching:
+        return 0
+    size = args.prefix_cache_size
+    return int(size * _memory_bytes()) if isinstance(size, float) else size
+
+
+def server(app, args):
+    """The uvicorn server of ``app`` with the flags' timeouts and log level (``serve/server.py``)."""
+    from dflash_jax.serve import server
+
+    return server.make(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                       timeout_keep_alive=args.timeout_keep_alive, read_timeout=args.read_timeout)
+
+
+def cmd_serve(args) -> int:
+    started = time.perf_counter()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     log.setLevel(logging.INFO)  # this server's notes; other libraries' (JAX's backend probing) only when warnings
     settings = _settings(args)  # every flag checked before processes are joined or weights loaded
     sock = bind(args.host, args.port)
     try:
+        cache = compile_cache.enable(args.compilation_cache_dir)
         _, app = build(args, cli_args.mesh_from_args(args), settings)
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                timeout_graceful_shutdown=None)
-        uvicorn.Server(config).run(sockets=[sock])
+        compiled, loaded = compile_cache.tally()
+        kept = f"{compiled} programs compiled, {loaded} loaded from {cache}" if cache else "no compilation cache"
+        log.info("ready in %.1f s (%s)", time.perf_counter() - started, kept)
+        server(app, args).run(sockets=[sock])
     finally:
         sock.close()
+    if app.state.engine_failed:
+        print("dflash-jax: error: the engine failed (its traceback is above); the server stopped", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -216,6 +278,16 @@ def add_parser(sub) -> None:
                    f"target's max_position_embeddings, at most {DEFAULT_MAX_MODEL_LEN})")
     s.add_argument("--max-queue-len", type=int, help="requests that may wait for a slot; more get 503 with "
                    "Retry-After (default: 4 x --max-num-seqs)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep prefilled prompts and resume a request from the longest stored prefix of its prompt "
+                   "(vLLM's flag; --no-enable-prefix-caching turns it off)")
+    s.add_argument("--prefix-cache-size", type=memory_size, default=prefix_store.DEFAULT_CAPACITY_BYTES,
+                   metavar="SIZE", help="the prefix cache's bound: bytes (an integer, with K, M, G or T for powers of "
+                   "1024) or a fraction of the device's memory (of the host's on a CPU), e.g. 0.1; the least recently "
+                   "used prefixes go first (default: 1G)")
+    s.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="prefill a prompt in chunks of at most N "
+                   "tokens, between the running requests' steps (vLLM's flag; default: "
+                   f"{DEFAULT_BATCHED_TOKENS})")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", choices=tuple(frontend.DTYPES), default=None,
@@ -223,6 +295,12 @@ def add_parser(sub) -> None:
     s.add_argument("--no-warmup", action="store_true", help="compile each program at its first use instead of "
                    "before serving")
     s.add_argument("--uvicorn-log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S, metavar="S",
+                   help="close a connection idle for S seconds after a response (uvicorn's, as vLLM's)")
+    s.add_argument("--read-timeout", type=float, default=READ_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request headers are not whole S seconds after it opened (or after "
+                   "its last response); a body not whole S seconds after its headers is a 408")
+    compile_cache.add_argument(s)
     cli_args.add_mesh_arguments(s)
     s.set_defaults(func=cmd_serve)
 

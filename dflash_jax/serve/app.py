@@ -514,7 +514,7 @@ async def _run(served: Served, ask: Ask, request: Request):
             except TimeoutError:
                 delta, finish = "", None
                 if request.app.state.engine_failed and queue.empty():
-                    finish = Finish("abort", job.sent, *job.figures(job.sent))
+                    finish = Finish("abort", job.sent, *job.figures(job.sent), job.cached)
             if ask.stream and time.monotonic() - checked >= DISCONNECT_POLL_S:
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -534,7 +534,7 @@ def _usage(ask: Ask, finish: Finish) -> dict:
     """OpenAI's usage, with the prompt tokens the engine took from its prefix cache (``cached_tokens``)."""
     return {"prompt_tokens": len(ask.prompt), "completion_tokens": finish.tokens,
             "total_tokens": len(ask.prompt) + finish.tokens,
-            "prompt_tokens_details": {"cached_tokens": getattr(finish, "cached", 0)}}
+            "prompt_tokens_details": {"cached_tokens": finish.cached}}
 
 
 def _meta_info(served: Served, ask: Ask, finish: Finish, rid: str) -> dict:

@@ -1,5 +1,6 @@
 """Helpers of the serving tests: a server on 127.0.0.1 and a free port, run in this process (its engine and
-counters in reach) by the same ``build`` that ``dflash-jax serve`` runs, stopped by the test itself."""
+counters in reach) by the same ``build`` and uvicorn settings (``cli.serve.server``) that ``dflash-jax serve``
+runs, stopped by the test itself."""
 
 from __future__ import annotations
 
@@ -8,8 +9,6 @@ import dataclasses
 import socket
 import threading
 import time
-
-import uvicorn
 
 from dflash_jax.cli import build_parser
 from dflash_jax.cli import serve as cli_serve
@@ -28,7 +27,8 @@ def free_port() -> int:
 class Running:
     base_url: str
     served: object  # serve.app.Served
-    server: uvicorn.Server
+    server: object  # uvicorn.Server
+    app: object  # the Starlette app
 
     @property
     def engine(self):
@@ -41,7 +41,8 @@ def running(*flags: str):
     port = free_port()
     args = build_parser().parse_args(["serve", *flags, "--host", "127.0.0.1", "--port", str(port)])
     served, app = cli_serve.build(args)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    args.uvicorn_log_level = "warning"
+    server = cli_serve.server(app, args)
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -50,7 +51,7 @@ def running(*flags: str):
             raise RuntimeError(f"the server did not start on 127.0.0.1:{port}")
         time.sleep(0.05)
     try:
-        yield Running(f"http://127.0.0.1:{port}", served, server)
+        yield Running(f"http://127.0.0.1:{port}", served, server, app)
     finally:
         server.should_exit = True
         thread.join(STOP_TIMEOUT_S)

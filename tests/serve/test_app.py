@@ -1,8 +1,9 @@
 """The HTTP server on the shipped pair, driven by the official ``openai`` client and by raw HTTP (httpx, sockets):
-the OpenAI shapes (whole and streamed), the per-request settings, vLLM's neutral fields, and the faults (bad
-JSON, unknown fields, a prompt over the context, a body over the cap, a lone surrogate, a full queue, a client
-that leaves mid-stream or mid-request, many clients at once), the counters against what clients were told, and
-the load generator of ``serve-bench`` against it. One server for the module."""
+the OpenAI shapes (whole and streamed, agent turns), the per-request settings, vLLM's neutral fields, and the
+faults (bad JSON, unknown fields and roles, numbers of thousands of digits, a prompt over the context, a body over
+the cap, a lone surrogate, a full queue, a client that leaves mid-stream, mid-request or mid-body, idle and slow
+connections, many clients at once), the counters against what clients were told, and the load generator of
+``serve-bench`` against it. One server for the module."""
 
 import json
 import logging
@@ -24,6 +25,7 @@ MAX_LEN = 128
 SLOTS = 2
 QUEUE = 2
 TIMEOUT_S = 300  # a bound on any one request, far above its need
+READ_TIMEOUT_S = 2  # the server's --read-timeout: a connection without whole headers (or body) this long is closed
 PROMPT = "def fibonacci(n):\n"
 
 
@@ -41,7 +43,8 @@ def server():
     serve_log.setLevel(logging.INFO)
     try:
         with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len", str(QUEUE),
-                     "--served-model-name", "tiny", "--auto-rows", str(SLOTS)) as r:
+                     "--served-model-name", "tiny", "--read-timeout", str(READ_TIMEOUT_S), "--auto-rows",
+                     str(SLOTS)) as r:
             r.notes = notes
             yield r
     finally:
@@ -103,6 +106,8 @@ def test_chat_without_template_is_the_raw_prompt_and_streams_the_same_text(serve
     assert "".join(parts) == chat.choices[0].message.content
     assert reasons[-1] == chat.choices[0].finish_reason and not any(reasons[:-1])
     assert usage.completion_tokens == chat.usage.completion_tokens
+    for u in (chat.usage, done.usage, usage):  # OpenAI's field: prompt tokens the engine's prefix cache held
+        assert 0 <= u.prompt_tokens_details.cached_tokens < u.prompt_tokens
 
 
 def test_max_tokens_stop_and_meta_info(server, client):
@@ -501,3 +506,157 @@ def test_serve_bench_command(server, tmp_path, capsys):
     assert rows[1]["rounds"][0]["requests"] == 6  # 6 at once over 2 slots and a queue of 2: any 503 retried
     assert rows[1]["retries"] == rows[1]["rounds"][0]["retries"]
     assert "| a | 6 |" in capsys.readouterr().out
+
+
+def test_a_repeated_prompt_reports_the_tokens_its_prefix_cache_held(server, client):
+    """usage.prompt_tokens_details.cached_tokens, whole and streamed, is what the engine resumed from its prefix
+    cache (the growth of /stats' prefix_cache.cached_tokens): none the first time, some the second."""
+    prompt = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(4))
+    kw = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    before = _wait_idle(server)["prefix_cache"]["cached_tokens"]
+    first = client.completions.create(**kw).usage
+    again = client.completions.create(**kw).usage
+    (streamed,) = [c.usage for c in client.completions.create(stream=True, stream_options={"include_usage": True},
+                                                              **kw) if c.usage]
+    after = _wait_idle(server)["prefix_cache"]["cached_tokens"]
+    cached = [u.prompt_tokens_details.cached_tokens for u in (first, again, streamed)]
+    assert cached[0] == 0 and 0 < cached[1] == cached[2] < first.prompt_tokens, cached
+    assert after - before == sum(cached)
+
+
+# -- agent turns, bad roles and tools, huge numbers --
+
+# A chat template that shows what it is given: the tools' names, each message's role and content, an assistant's
+# tool calls with an argument read from the arguments object (a JSON string would have no field), a tool result's id.
+# (Newlines as expressions: transformers renders with trim_blocks, which drops one right after a tag.)
+AGENT_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %} {{ t.function.name }}{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} a={{ c.function.arguments.a }}]{% endfor %}"
+    "{% if m.tool_call_id %}(for {{ m.tool_call_id }}){% endif %}{{ '\\n' }}{% endfor %}<assistant>")
+ADD_TOOL = {"type": "function", "function": {"name": "add", "description": "a + b",
+                                             "parameters": {"type": "object", "properties": {"a": {}, "b": {}}}}}
+AGENT_TURN = [{"role": "system", "content": "You add."}, {"role": "user", "content": "1 + 2?"},
+              {"role": "assistant", "content": None, "tool_calls": [
+                  {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+
+
+def test_an_agent_turn_is_rendered_by_the_chat_template_with_its_tools(server, client, monkeypatch):
+    """An assistant message with content null and tool_calls, then a tool result, through the openai client: the
+    template gets them (arguments as an object) and the tools; the reply is the completion of what it rendered."""
+    tok = server.served.tokenizer
+    monkeypatch.setattr(tok, "chat_template", AGENT_TEMPLATE)
+    rendered = "TOOLS: add\n<system>You add.\n<user>1 + 2?\n<assistant>[call add a=1]\n<tool>3(for call_1)\n<assistant>"
+    kw = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(messages=AGENT_TURN, tools=[ADD_TOOL], **kw)
+    assert chat.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    assert chat.choices[0].message.content == client.completions.create(prompt=rendered, **kw).choices[0].text
+    monkeypatch.setattr(tok, "chat_template", None)  # no template: the contents, and the calls as JSON, by lines
+    raw = client.chat.completions.create(messages=AGENT_TURN, tools=[ADD_TOOL], **kw)
+    lines = ["You add.", "1 + 2?", json.dumps({"name": "add", "arguments": {"a": 1, "b": 2}}), "3"]
+    assert raw.usage.prompt_tokens == len(tok.encode("\n".join(lines), add_special_tokens=False))
+
+
+@pytest.mark.parametrize("messages, extra, param", [
+    ([{"role": "wizard", "content": "hi"}], {}, "messages[0].role"),
+    ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function"}]}, "tools[0].function"),
+    ([{"role": "user", "content": "hi"}], {"tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+     "tools[0].type"),
+    ([{"role": "user", "content": "hi"}], {"tools": [{"type": "function", "function": {"name": ""}}]},
+     "tools[0].function"),
+    ([{"role": "user", "content": None}], {}, "messages[0].content"),
+    ([{"role": "user", "content": "hi", "tool_calls": AGENT_TURN[2]["tool_calls"]}], {}, "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}], {},
+     "messages[0].tool_calls[0]"),
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{not json"}}]}], {},
+     "messages[0].tool_calls[0].function.arguments"),
+    ([{"role": "tool", "content": "3"}], {}, "messages[0].tool_call_id"),
+])
+def test_bad_roles_tool_calls_and_tools_are_400s_naming_the_field(server, messages, extra, param):
+    r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and f"'{param}" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", "max_tokens"), ("/v1/completions", "seed"),
+                                         ("/v1/completions", "top_k"), ("/v1/completions", "n"),
+                                         ("/v1/completions", "temperature"),
+                                         ("/v1/chat/completions", "max_completion_tokens")])
+def test_numbers_of_thousands_of_digits_are_400s_naming_the_field(server, path, field):
+    """Past Python's int-digits limit (4300) JSON's integers cannot be converted: a 400 in OpenAI's shape naming the
+    field (was a plain-text 500); under it, a 400 whose message gives the number's length, not its digits."""
+    body = {"prompt": PROMPT} if "chat" not in path else {"messages": [{"role": "user", "content": PROMPT}]}
+    for digits in (5001, 4000):
+        raw = json.dumps(body)[:-1].encode() + b', "%s": %s}' % (field.encode(), b"9" * digits)
+        r = _post(server, path, raw)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        message = r.json()["error"]["message"]
+        assert f"{digits} digits" in message and len(message) < 300, message
+
+
+# -- clients that leave or dawdle --
+
+def _logged(*names):
+    """A handler collecting the records of the loggers ``names`` (attached; ``detach`` removes it)."""
+    records = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addHandler(handler)
+    return records, lambda: [lg.removeHandler(handler) for lg in loggers]
+
+
+def _connect(server):
+    host, port = server.base_url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
+
+
+def test_a_client_that_leaves_mid_body_is_one_quiet_line(server):
+    records, detach = _logged("uvicorn", "")  # uvicorn's own (it does not propagate), and everything else
+    try:
+        with _connect(server) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "')
+            time.sleep(0.2)  # the app is reading the body
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any("left after" in r.getMessage() for r in records):
+            assert time.monotonic() < deadline, [r.getMessage() for r in records]
+            time.sleep(0.05)
+        time.sleep(0.2)  # anything else it would log comes now
+    finally:
+        detach()
+    (line,) = [r for r in records if r.levelno >= logging.INFO]
+    assert line.levelno == logging.INFO and "left after 12 bytes of its request's body" in line.getMessage()
+    assert not line.exc_info
+
+
+def test_idle_and_slow_connections_are_closed_after_the_read_timeout(server):
+    """Nothing sent, headers in part, a body in part, and headers in part after a whole request: each connection
+    is closed --read-timeout seconds on (the slow body with a 408), while a prompt client is answered."""
+    openings = [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b'{"prompt"']
+    socks = [_connect(server) for _ in openings]
+    kept = _connect(server)  # a whole request on a kept-alive connection, then part of the next one's headers
+    kept.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept.recv(4096).startswith(b"HTTP/1.1 200")
+    kept.sendall(b"GET /health HTTP/1.1\r\n")
+    socks.append(kept)
+    try:
+        for sock, opening in zip(socks, openings + [b""], strict=True):
+            sock.sendall(opening)
+        assert _post(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+        replies = []
+        for sock in socks:
+            sock.settimeout(READ_TIMEOUT_S + 30)  # far past the bound: a connection left open fails here
+            data = b""
+            while chunk := sock.recv(4096):
+                data += chunk
+            replies.append(data)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert replies[0] == replies[1] == replies[3] == b""
+    assert replies[2].startswith(b"HTTP/1.1 408") and b"--read-timeout" in replies[2]
