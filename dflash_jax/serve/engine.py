@@ -169,7 +169,8 @@ class Engine:
         self._prefilling: collections.deque[Job] = collections.deque()  # admitted (a slot held), prefilling
         spec = loop.spec
         options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
-        rows = tuple(rows or (slots,))
+        data = 1 if loop.mesh is None else dict(loop.mesh.shape).get("data", 1)
+        rows = tuple(r for r in rows or (slots,) if r % data == 0 or r == slots)  # a mesh splits a step's rows
         bad = [o for o in options if o.block > spec.block_size or o.width > max(spec.block_size, spec.width)]
         if bad:
             raise ValueError(f"speculation option {bad[0].name} does not fit the state of block {spec.block_size} and "
