@@ -25,6 +25,7 @@ MAX_LEN = 128
 SLOTS = 2
 QUEUE = 2
 TIMEOUT_S = 300  # a bound on any one request, far above its need
+CHUNK = 32  # --max-num-batched-tokens: prompts prefilled in chunks of up to 32 tokens
 READ_TIMEOUT_S = 2  # the server's --read-timeout: a connection without whole headers (or body) this long is closed
 PROMPT = "def fibonacci(n):\n"
 
@@ -44,7 +45,7 @@ def server():
     try:
         with running("--max-num-seqs", str(SLOTS), "--max-model-len", str(MAX_LEN), "--max-queue-len", str(QUEUE),
                      "--served-model-name", "tiny", "--read-timeout", str(READ_TIMEOUT_S), "--auto-rows",
-                     str(SLOTS)) as r:
+                     str(SLOTS), "--max-num-batched-tokens", str(CHUNK), "--prefix-cache-size", "64M") as r:
             r.notes = notes
             yield r
     finally:
@@ -393,6 +394,11 @@ def test_stats_bounds_its_list_of_records(server):
     stats = server.engine.stats()
     assert stats["finished_kept"] == 1024 and len(stats["finished"]) <= 1024
     assert stats["slots"] == SLOTS
+
+
+def test_the_prefix_cache_and_chunk_flags_reach_the_engine(server):
+    assert server.engine.chunk == CHUNK and server.engine.buckets() == [16, CHUNK]
+    assert httpx.get(server.base_url + "/stats").json()["prefix_cache"]["capacity_bytes"] == 64 * 2**20
 
 
 def test_the_block_is_chosen_each_step_and_the_table_is_in_stats_and_the_log(server):

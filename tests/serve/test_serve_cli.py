@@ -39,6 +39,7 @@ TIMEOUT_S = 300
     (["--block-size", "99"], "exceed the drafter's block size"),
     (["--port", "70000"], "--port must be in 0..65535"),
     (["--num-processes", "2"], "serve runs in one process"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
 ])
 def test_bad_flags_are_refused_before_loading(flags, needle, capsys):
     assert main(["serve", *flags]) == 2
@@ -245,3 +246,21 @@ def test_a_second_start_compiles_nothing_the_first_compiled(tmp_path):
             log.close()
     (first_compiled, first_loaded), (second_compiled, second_loaded) = counts
     assert first_compiled > 0 and second_compiled == 0 and second_loaded == first_compiled + first_loaded, counts
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], 2**30),  # 1G
+    (["--no-enable-prefix-caching"], 0),
+    (["--prefix-cache-size", "512M"], 512 * 2**20),
+    (["--prefix-cache-size", "123456"], 123456),
+    (["--prefix-cache-size", "0.25"], os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4),  # a CPU: RAM
+])
+def test_the_prefix_cache_size(flags, want):
+    args = build_parser().parse_args(["serve", *flags])
+    assert abs(cli_serve._prefix_cache_bytes(args) - want) <= 1
+
+
+def test_a_bad_prefix_cache_size_names_its_forms(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prefix-cache-size", "1.5"])
+    assert "expected bytes (e.g. 512M, 2G, 1073741824) or a fraction of the memory in (0, 1)" in capsys.readouterr().err
