@@ -442,7 +442,8 @@ class Engine:
         if self._active:
             with self._cond:  # /stats reads the schedule from another thread
                 sampled = any(not job.sampling.greedy for job in self._active.values())
-                rows, self._last = self.schedule.choose(max(self._active) + 1, len(self._active), sampled)
+                left = [job.max_tokens - job.sent for job in self._active.values()]
+                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled)
             self.state = self._loops[self._last].step_rows(self.params, self.state, rows)
             self._stats.engine_steps += 1
         return True

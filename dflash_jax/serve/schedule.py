@@ -15,8 +15,9 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
 
 ``choose(top)`` takes, among the rows buckets that hold ``top`` rows (highest running slot + 1; for each option
 the bucket where it costs least: a smaller bucket copies its rows in and out, which can cost more than running
-every slot), the option with the most expected tokens per second, E[tokens | option] / cost(R, option) (the
-running rows' count is common to all options); plain decoding (block 1, E = 1) wins when nothing pays. An option
+every slot), the option with the most expected tokens per second, the sum over the running rows of
+E[tokens | option, the tokens the row may still emit] / cost(R, option) (a request that ends inside a block does
+not use all of it); plain decoding (block 1, E = 1) wins when nothing pays. An option
 with little evidence (under ``MIN_EVIDENCE`` row-steps) is explored at once, a stale one after enough steps that
 exploring costs at most ``EXPLORE_SHARE`` of the time, (cost(R, o) / cost(R, best) - 1) / period <=
 EXPLORE_SHARE: without it, a server that chose block 1 under load would never learn that speculation pays again.
@@ -133,12 +134,14 @@ class Schedule:
         """a_k, k = 1 .. depth: the chance draft k is accepted once drafts 1 .. k-1 were (prior included)."""
         return self._passed / self._reach
 
-    def expected(self, option: Option) -> float:
-        """E[tokens per row per step] of ``option`` from the evidence so far."""
+    def expected(self, option: Option, left: int | None = None) -> float:
+        """E[tokens per row per step] of ``option`` from the evidence so far, for a row that may emit at most
+        ``left`` more (a step at block b emits min(T_b, left): T at block min(b, left))."""
         if option.budget is None:
-            return blocksize.expected_tokens(self.acceptance(), option.block)
+            return blocksize.expected_tokens(self.acceptance(), min(option.block, left or option.block))
         steps, drafts = self._trees[option]
-        return 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
+        mean = 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
+        return min(mean, left or mean)
 
     def _informs(self, option: Option) -> bool:
         """Whether running ``option`` brings evidence ``choose`` needs: the longest chain (every position) or a
@@ -150,10 +153,12 @@ class Schedule:
         """Decayed row-steps of evidence behind ``option``'s estimate."""
         return self._seen if option.budget is None else self._trees[option][0]
 
-    def choose(self, top: int, active: int | None = None, sampled: bool = False) -> tuple[int, Option]:
-        """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row (``active`` of
-        them; for /stats only). ``sampled``: some row samples (temperature > 0): the step runs the largest option,
-        the method as given, so that a seeded request reproduces itself whatever the load (the module doc)."""
+    def choose(self, top: int, left: Sequence[int] | None = None, sampled: bool = False) -> tuple[int, Option]:
+        """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row; ``left``: the
+        tokens each running row may still emit (None: unbounded), so a block is not paid for where a request ends
+        inside it. ``sampled``: some row samples (temperature > 0): the step runs the largest option, the method
+        as given, so that a seeded request reproduces itself whatever the load (the module doc)."""
+        left = [None] if left is None else list(left)
         fits = [r for r in self.rows if r >= top]
         # each option in the bucket where it costs least (a larger one may: a smaller one copies its rows)
         where = {o: min(fits, key=lambda r: (self.costs.get((r, o), math.inf), r)) for o in self.options}
@@ -162,7 +167,8 @@ class Schedule:
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
             rows = self.bucket(top)
         else:
-            choice = min(self.options, key=lambda o: (-self.expected(o) / cost[o], o.width))
+            tokens = {o: sum(self.expected(o, n) for n in left) for o in self.options}  # per step, all rows
+            choice = min(self.options, key=lambda o: (-tokens[o] / cost[o], o.width))
             why = "best"
             for o in self.options:
                 if o != choice and self._informs(o):
@@ -174,7 +180,7 @@ class Schedule:
         for o in self.options:
             self._since[o] += 1
         self._since[choice] = 0
-        self.current = dict(rows=rows, top=top, active=active, choice=choice.name, why=why)
+        self.current = dict(rows=rows, top=top, active=len(left), choice=choice.name, why=why)
         self.recent.append((rows, choice.name))
         self.counts[f"{rows}x{choice.name}"] += 1
         return rows, choice

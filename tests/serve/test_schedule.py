@@ -42,6 +42,8 @@ def test_the_big_block_when_it_pays_plain_when_nothing_pays():
     _accepting(s, BIG, 0, 200)  # nothing accepted any more: the evidence decays to it
     assert s.choose(32) == (32, PLAIN)
     assert s.choose(1)[1] == PLAIN  # 1 / 1.0 beats E[16] ~ 1 / 1.3
+    _accepting(s, BIG, 15, 200)  # every draft accepted again: E[16] = 16
+    assert s.choose(1, left=[16])[1] == BIG and s.choose(1, left=[1])[1] == PLAIN  # a row with 1 token left
     stats = s.as_dict()
     assert stats["step_ms"]["32"] == {"1": 1000.0, "4": 2500.0, "16": 9000.0} and stats["current"]["choice"] == "1"
     assert stats["counts"]["32x1"] == 1 and stats["recent"][-1] == [1, "1"]
@@ -56,7 +58,7 @@ def test_a_small_block_informs_only_its_positions_and_stale_options_are_explored
     s._since[BIG] = 0  # BIG ran just now: at bucket 32 it costs 3.6x the choice, explored after (3.6 - 1) / 0.02
     picks = [s.choose(32)[1] for _ in range(300)]
     assert [i for i, p in enumerate(picks) if p != MID] == [130, 261]
-    assert s.current == dict(rows=32, top=32, active=None, choice="4", why="best")
+    assert s.current == dict(rows=32, top=32, active=1, choice="4", why="best")
 
 
 def test_trees_are_weighed_by_their_own_acceptance():
