@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 
 import jax
@@ -33,6 +34,7 @@ log = logging.getLogger("dflash_jax.serve")
 DEFAULT_MAX_MODEL_LEN = 2048
 SHIPPED_NAME = "dflash-jax-shipped"  # the model id of the shipped pair (no --model given)
 KEEP_ALIVE_S = 5  # uvicorn's and vLLM's
+HEARTBEAT_S = 5.0  # a start-up phase that lasts longer is logged again this often, with its seconds so far
 READ_TIMEOUT_S = 60.0
 
 
@@ -80,9 +82,45 @@ def _settings(args):
     return model_dir, draft_dir, method, max_len, cfg
 
 
+class _Phases:
+    """The start's log: ``say(note)`` logs a phase as it begins, and while it lasts a thread logs it again every
+    ``HEARTBEAT_S`` seconds with the seconds it took so far (one compilation takes half a minute on a busy
+    machine), so a start is never silent for long. A context manager: the thread ends with it."""
+
+    def __init__(self):
+        self._lock, self._done = threading.Lock(), threading.Event()
+        self._note, self._since = None, 0.0
+        self._thread = threading.Thread(target=self._beat, name="dflash-jax-start-log", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def __call__(self, note: str) -> None:
+        with self._lock:
+            self._note, self._since = note, time.perf_counter()
+        log.info("%s", note)
+
+    def _beat(self) -> None:
+        while not self._done.wait(HEARTBEAT_S):
+            with self._lock:
+                note, took = self._note, time.perf_counter() - self._since
+            if note is not None and took >= HEARTBEAT_S:
+                log.info("%s (still at it: %.0f s)", note, took)
+
+
 def build(args, mesh=None, settings=None):
     """(Served, the app) for the flags (``settings``: ``_settings(args)`` when already checked): models loaded,
-    the engine built (and compiled unless --no-warmup)."""
+    the engine built (and compiled unless --no-warmup), each phase logged (``_Phases``)."""
+    with _Phases() as say:
+        return _build(args, mesh, settings, say)
+
+
+def _build(args, mesh, settings, say):
     from dflash_jax.decoding import blocksize
     from dflash_jax.decoding.loop import SpeculativeLoop
     from dflash_jax.serve.app import Served, create_app
@@ -91,7 +129,7 @@ def build(args, mesh=None, settings=None):
     model_dir, draft_dir, method, max_len, cfg = settings or _settings(args)
     dtype = args.dtype or frontend.default_dtype()
     started = time.perf_counter()
-    log.info("loading %s%s (%s) ...", model_dir, "" if draft_dir is None else f" and {draft_dir}", dtype)
+    say(f"loading {model_dir}{'' if draft_dir is None else f' and {draft_dir}'} ({dtype}) ...")
     target, drafter = frontend.load_models(model_dir, draft_dir, [method], dtype=frontend.DTYPES[dtype],
                                           progress=False, mesh=mesh, draft_window=getattr(args, "draft_window", None))
     if method.kind == "mtp" and not frontend.has_mtp(target):
@@ -111,7 +149,7 @@ def build(args, mesh=None, settings=None):
     if mesh is not None:
         params = parallel.shard_params(params, mesh, target.cfg, proposer)
     card = blocksize.read_card(draft_dir) if draft_dir is not None and options else None
-    log.info("building the engine: %d empty slots (one prefill program) ...", args.max_num_seqs)
+    say(f"building the engine: {args.max_num_seqs} empty slots (one prefill program) ...")
     engine = Engine(loop, params, slots=args.max_num_seqs, max_model_len=max_len,
                     max_queue=args.max_queue_len or 4 * args.max_num_seqs, options=options, rows=rows,
                     prior=card.acceptance if card is not None and card.fits(draft_dir) else None,
@@ -126,8 +164,8 @@ def build(args, mesh=None, settings=None):
     log.info("serving %s (%s, block %d) with %d slots of %d tokens on %s", model_dir, method.name, method.block,
              args.max_num_seqs, max_len, jax.default_backend())
     if not args.no_warmup:
-        log.info("warm-up: compiling prefill (buckets %s), insert and step ...", engine.buckets())
-        engine.warmup(progress=lambda note: log.info("warm-up: %s", note))
+        say(f"warm-up: compiling prefill (buckets {engine.buckets()}), insert and step ...")
+        engine.warmup(progress=lambda note: say(f"warm-up: {note}"))
     served = Served(engine=engine, tokenizer=tokenizer, model_name=model_name(args), eos_ids=tuple(cfg.eos_token_ids),
                     speculative=method.block > 1)
     return served, create_app(served)

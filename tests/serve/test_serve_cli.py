@@ -264,3 +264,16 @@ def test_a_bad_prefix_cache_size_names_its_forms(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prefix-cache-size", "1.5"])
     assert "expected bytes (e.g. 512M, 2G, 1073741824) or a fraction of the memory in (0, 1)" in capsys.readouterr().err
+
+
+def test_a_long_start_up_phase_is_logged_again_while_it_lasts(monkeypatch, caplog):
+    monkeypatch.setattr(cli_serve, "HEARTBEAT_S", 0.05)
+    caplog.set_level(logging.INFO, "dflash_jax.serve")
+    with cli_serve._Phases() as say:
+        say("warm-up: program 3 of 9: a step")
+        time.sleep(0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    time.sleep(0.2)
+    assert lines[0] == "warm-up: program 3 of 9: a step" and len(lines) >= 3
+    assert all(re.fullmatch(r"warm-up: program 3 of 9: a step \(still at it: \d+ s\)", n) for n in lines[1:]), lines
+    assert len(caplog.records) == len(lines)  # nothing once the start is over
