@@ -1,8 +1,8 @@
 """``dflash-jax serve`` as a command: its flags (and a port in use) refused before any weight loads, the model id's
 default, the compilation cache folder it is given, uvicorn's colours only on a terminal, an engine that fails
 ending it with status 1 (``/health`` failing first), and, as a process of its own, SIGTERM: it stops taking
-connections, finishes the requests in flight, and exits, having chosen its block by cost (measured) and logged
-it; a second start of the same configuration compiles nothing. (The block's wiring in a default run:
+connections, finishes the requests in flight, and exits, having logged its speculation by load; a second start
+of the same configuration compiles nothing. (The block's wiring in a default run:
 ``test_app.py``'s server.)"""
 
 import json
@@ -75,7 +75,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits(tmp_path):
     base = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli.serve", "--port", str(port), "--max-model-len", "64",
-                             "--max-num-seqs", "2", "--no-warmup"],  # the block: auto, measured
+                             "--max-num-seqs", "2", "--no-warmup"],  # the block: auto, by load
                             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -119,7 +119,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits(tmp_path):
         log.seek(0)
         text = log.read()
         assert "no chat template" in text  # chat requests are encoded as generate --chat-template auto does
-        assert "block size auto: " in text and " at batch 2, the most expected tokens/s" in text
+        assert "speculation by load: each step runs 1 or 16 over the running rows' bucket of 1/2" in text
     finally:
         if proc.poll() is None:
             proc.kill()
