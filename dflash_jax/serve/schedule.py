@@ -4,8 +4,8 @@ Sits in the serving layer beside the engine (``engine.py``), which asks it befor
 the step accepted; it holds no arrays and runs no program. Its inputs are two:
 
 - The cost table: seconds per step for each (rows bucket, option), measured at warm-up on this machine
-  (``measure``). A step runs the first R slots, R the smallest rows bucket that holds every running row (the
-  engine keeps them in the low slots), so the cost of a step follows the load.
+  (``measure``), then moved toward each served step's own time (``timed``). A step runs the first R slots, R a
+  rows bucket that holds every running row (the engine keeps them in the low slots), so its cost follows the load.
 - The acceptance observed online: each step's histogram of accepted drafts (``observe``). For chains, per
   draft position k, the steps that reached k and those that accepted it (a step at block b that accepted a
   drafts reached positions 1 .. min(a + 1, b - 1)), so a block-16 step informs every smaller block and a
@@ -47,6 +47,7 @@ EXPLORE_SHARE = 0.02  # exploring a stale option costs at most this share of the
 PRIOR_STEPS = 1.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
 MIN_EVIDENCE = 16.0  # row-steps of evidence an informative option gathers before its estimate is trusted
 RECENT = 64  # choices /stats keeps
+COST_WEIGHT = 0.1  # the weight of each served step's own time in its program's cost (the table follows the load)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -118,6 +119,7 @@ class Schedule:
         self._trees = {o: [0.0, 0.0] for o in self.options if o.budget is not None}  # decayed [steps, drafts]
         self._since = dict.fromkeys(self.options, math.inf)  # steps since an option last ran
         self.costs: dict[tuple[int, Option], float] = {}
+        self.copy = 0.0  # seconds of the host copy each step waits for (in every cost)
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
         self.counts: collections.Counter = collections.Counter()
         self.current: dict | None = None
@@ -184,6 +186,13 @@ class Schedule:
         self.recent.append((rows, choice.name))
         self.counts[f"{rows}x{choice.name}"] += 1
         return rows, choice
+
+    def timed(self, rows: int, option: Option, seconds: float) -> None:
+        """A served step of ``option`` over ``rows`` took ``seconds`` (the host copy excluded): its cost moves
+        toward it, so the table follows the machine's load after warm-up."""
+        key = (rows, option)
+        if key in self.costs:
+            self.costs[key] += COST_WEIGHT * (seconds + self.copy - self.costs[key])
 
     def observe(self, option: Option, histogram) -> None:
         """Evidence of one step of ``option``: ``histogram`` [W] steps (over the rows it ran) that accepted

@@ -72,6 +72,14 @@ def test_trees_are_weighed_by_their_own_acceptance():
     assert s.choose(3) == (4, small)  # 4 / 1.2 beats 5 / 2 and 1 / 1
 
 
+def test_served_steps_move_the_table_toward_their_time():
+    s = _schedule({1: {PLAIN: 1.0, BIG: 2.0}}, options=(PLAIN, BIG), rows=(1,))
+    s.copy = 0.5
+    for _ in range(60):
+        s.timed(1, BIG, 5.5)  # the machine got busier: the big block's steps take 6 s with the copy
+    assert s.costs[1, BIG] == pytest.approx(6.0, abs=0.01) and s.costs[1, PLAIN] == 1.0
+
+
 def test_options_and_rows_buckets():
     assert schedule.default_rows(32) == (1, 4, 16, 32) and schedule.default_rows(1) == (1,)
     assert schedule.options_for(16, None) == (PLAIN, BIG)
