@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from dflash_jax.decoding.loop import Prefix, SpeculativeLoop
 
-DEFAULT_BLOCK = 16  # tokens per store block (vLLM's default block size)
+DEFAULT_BLOCK = 64  # tokens per store block: a hit restores one page per block, each a program call
 DEFAULT_CAPACITY_BYTES = 1 << 30  # the server's default store size (--prefix-cache-size)
 
 

@@ -23,7 +23,6 @@ import dataclasses
 import heapq
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -129,7 +128,8 @@ class Engine:
 
     Prompts are prefilled in chunks of at most ``max_num_batched_tokens`` (None: ``DEFAULT_BATCHED_TOKENS``)
     prompt tokens per engine iteration, between steps. ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
-    prefix cache of that many bytes (blocks of ``prefix_block`` tokens, snapshots where a chunk ends on a block
+    prefix cache of that many bytes (blocks of ``prefix_block`` tokens, None: ``prefix.DEFAULT_BLOCK`` or the
+    largest power of two a chunk holds; snapshots where a chunk ends on a block
     boundary and at the last boundary before a prompt's last token; ``decoding.prefix``): a request resumes
     from the deepest one its prompt matches (``Finish.cached`` tokens) and prefills the rest.
 
@@ -144,7 +144,7 @@ class Engine:
                  keep: int = FINISHED_KEPT, options: Sequence[Option] | None = None,
                  rows: Sequence[int] | None = None, prior: Sequence[float] | None = None,
                  prefix_cache_bytes: int = 0, max_num_batched_tokens: int | None = None,
-                 prefix_block: int = prefix_store.DEFAULT_BLOCK):
+                 prefix_block: int | None = None):
         if slots < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {slots}")
         if max_queue < 1:
@@ -159,9 +159,12 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stats = Stats(finished=collections.deque(maxlen=keep))
         chunk = DEFAULT_BATCHED_TOKENS if max_num_batched_tokens is None else max_num_batched_tokens
-        if chunk < prefix_block:
-            raise ValueError(f"--max-num-batched-tokens must be >= {prefix_block} (a block of the prefix cache), "
-                             f"got {chunk}")
+        if chunk < bucket_for(1):
+            raise ValueError(f"--max-num-batched-tokens must be >= {bucket_for(1)}, got {chunk}")
+        if prefix_block is None:  # the default block, or the largest power of two a chunk holds
+            prefix_block = min(prefix_store.DEFAULT_BLOCK, 1 << (chunk.bit_length() - 1))
+        if not 1 <= prefix_block <= chunk:
+            raise ValueError(f"prefix cache block {prefix_block}: must be 1 .. --max-num-batched-tokens {chunk}")
         if prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-size must be >= 0 bytes (0: no prefix cache), got {prefix_cache_bytes}")
         self.prefix_block, self.chunk = prefix_block, min(chunk, bucket_limit(max_model_len))
@@ -265,7 +268,7 @@ class Engine:
         say(f"timing {len(programs)} steps")
         costs = schedule.measure(self._time_step, programs)
         copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
-        self.schedule.costs, self.schedule.copy = {p: c + copy for p, c in costs.items()}, copy
+        self.schedule.costs = {p: c + copy for p, c in costs.items()}
         log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
                  "tree of N nodes), the host copy of %.2f ms included:\n%s", copy * 1e3, self.schedule.table())
 
@@ -445,10 +448,7 @@ class Engine:
                 sampled = any(not job.sampling.greedy for job in self._active.values())
                 left = [job.max_tokens - job.sent for job in self._active.values()]
                 rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled)
-            started = time.perf_counter()
-            self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
-            with self._cond:
-                self.schedule.timed(rows, self._last, time.perf_counter() - started)
+            self.state = self._loops[self._last].step_rows(self.params, self.state, rows)
             self._stats.engine_steps += 1
         return True
 

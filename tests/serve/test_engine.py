@@ -61,7 +61,7 @@ def _engine(pair, max_queue=REQUESTS, keep=1024):
     target, proposer, pparams = pair
     loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
     return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue, keep=keep,
-                  prefix_cache_bytes=CACHE_BYTES, max_num_batched_tokens=CHUNK)
+                  prefix_cache_bytes=CACHE_BYTES, max_num_batched_tokens=CHUNK, prefix_block=16)
 
 
 @pytest.fixture(scope="module")

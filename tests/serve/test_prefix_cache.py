@@ -23,7 +23,7 @@ def test_prefix_hits_and_chunks_are_exact_for_every_method(method, chunk):
     proposer, pparams = frontend.proposer_for(m, target, drafter)
     loop = SpeculativeLoop.of(target, proposer, spec_for(m.block, MAX_LEN, m.tree))
     engine = Engine(loop, (target.params, pparams), slots=2, max_model_len=MAX_LEN, max_queue=4,
-                    prefix_cache_bytes=1 << 26, max_num_batched_tokens=chunk)
+                    prefix_cache_bytes=1 << 26, max_num_batched_tokens=chunk, prefix_block=16)
     engine.warmup()
     engine.start()
     try:

