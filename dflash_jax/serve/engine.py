@@ -23,6 +23,7 @@ import dataclasses
 import heapq
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import jax
@@ -268,7 +269,7 @@ class Engine:
         say(f"timing {len(programs)} steps")
         costs = schedule.measure(self._time_step, programs)
         copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
-        self.schedule.costs = {p: c + copy for p, c in costs.items()}
+        self.schedule.costs, self.schedule.copy = {p: c + copy for p, c in costs.items()}, copy
         log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
                  "tree of N nodes), the host copy of %.2f ms included:\n%s", copy * 1e3, self.schedule.table())
 
@@ -448,7 +449,10 @@ class Engine:
                 sampled = any(not job.sampling.greedy for job in self._active.values())
                 left = [job.max_tokens - job.sent for job in self._active.values()]
                 rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled)
-            self.state = self._loops[self._last].step_rows(self.params, self.state, rows)
+            started = time.perf_counter()
+            self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
+            with self._cond:
+                self.schedule.timed(rows, self._last, time.perf_counter() - started)
             self._stats.engine_steps += 1
         return True
 
