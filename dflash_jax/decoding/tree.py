@@ -21,7 +21,7 @@ The tree is the likeliest paths under every sampling setting (draft mode and tem
 fixed tree catches the target's choice at a node with the probability the target gives that node's children, so
 the children the drafter finds likeliest are the best guess. Measured (docs/performance.md, "Sampled
 acceptance"): trees sampled without replacement from the drafter at the sampling temperature (stochastic beam
-search) accepted less at T 1 and 0.7 on the shipped pair, with either drafter.
+search) accepted less at T 1, 0.7 and 0.2 on the shipped pair, with either drafter.
 
 Acceptance is the target's: at each node the token it chooses there (its argmax, or a sample from its
 distribution under the row's rules); from the root, step to the child holding that token while there is one;
