@@ -185,10 +185,18 @@ class PrefixStore:
     def add(self, tokens, pages, boundary) -> None:
         """Stores the blocks of ``tokens`` (a whole number of blocks) and the snapshot at their end: ``pages(b)`` gives
         block b's page, ``boundary()`` the snapshot, each called only if not stored yet (a block larger than the
-        whole store is not)."""
+        whole store is not), and the page of the last block stored before them again."""
         if len(tokens) % self.block:
             raise ValueError(f"PrefixStore.add: {len(tokens)} tokens are not whole {self.block}-token blocks")
         chain, parent = self._chain(tokens), -1
+        if chain and len(chain) < len(tokens) // self.block:
+            # The row has now processed past the stored chain's last block: copy its page again. A proposer's
+            # per-position state may lag the tokens (the MTP head's entry t needs token t + 1), so a block cut where
+            # its chunk ended holds a dead last entry, which a deeper resume would read.
+            old = chain[-1]
+            self.bytes -= nbytes(old.page)
+            old.page = pages(len(chain) - 1)
+            self.bytes += nbytes(old.page)
         if chain:
             parent = chain[-1].id
         for b in range(len(chain), len(tokens) // self.block):
