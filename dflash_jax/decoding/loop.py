@@ -449,8 +449,7 @@ class SpeculativeLoop:
         if self.spec.tree_budget is not None:
             tree, pstate = self.proposer.tree(
                 params=pparams, view=TargetView.of(tparams), state=state.proposer, anchor=state.anchor,
-                depth=self.spec.block_size - 1, budget=self.spec.tree_budget, keys=keys[:, 0],
-                sampling=self._rules(state))
+                depth=self.spec.block_size - 1, budget=self.spec.tree_budget)
             return Draft(tokens=tree.tokens[:, 1:], q=None, proposer=self._pin(pstate, tree.tokens.shape[0]),
                          accept_keys=keys[:, 1], tree=tree)
         tokens, q, pstate = self.proposer.propose(

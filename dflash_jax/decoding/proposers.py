@@ -178,22 +178,17 @@ class DFlashProposer:
         """The chunk's injected context K/V, as ``init`` writes the prompt's."""
         return self.commit(params=params, view=view, state=state, verified=chunk, n=n)
 
-    def tree(self, *, params, view: TargetView, state, anchor, depth, budget, keys, sampling):
+    def tree(self, *, params, view: TargetView, state, anchor, depth, budget):
         """A draft tree of ``budget`` nodes of depth <= ``depth`` after the anchor, from one block pass:
-        (``decoding.tree.DraftTree``, the state after proposing). A DFlash drafter's tree is grown from its
-        per-position marginals (``tree.build``), a DFlash2 drafter's from its candidate selector's conditionals
-        (``CandidateSelector.children``): each node's children are the next position's candidates scored given
-        the node's token. Rows with sampled drafts (``sampling``) grow a sampled tree at their temperature
-        (``tree.draft_temperature``), drawn with ``keys`` [B]; the others the likeliest paths."""
+        (``decoding.tree.DraftTree``, the state after proposing). A DFlash drafter's tree holds the likeliest
+        paths of its per-position marginals (``tree.build``), a DFlash2 drafter's those of its candidate
+        selector's conditionals (``CandidateSelector.children``): each node's children are the next position's
+        candidates scored given the node's token. The same tree under every sampling setting (``decoding.tree``)."""
         model = nnx.merge(self.graphdef, params)
         hidden, logits, cache = self._block(model, view, state, anchor, depth)
-        temperature, sampled = draft_tree.draft_temperature(sampling, anchor.shape[0])
-        keys = None if sampled is None else keys
         if self.cfg.dflash2:
-            children = model.candidate_selector.children(hidden, logits, temperature)
-            return draft_tree.grow(anchor, children, depth, budget, keys, sampled), cache
-        logprobs = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
-        return draft_tree.build(anchor, logprobs, budget, keys, sampled), cache
+            return draft_tree.grow(anchor, model.candidate_selector.children(hidden, logits), depth, budget), cache
+        return draft_tree.build(anchor, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), budget), cache
 
 
 @jax.tree_util.register_dataclass
