@@ -50,6 +50,7 @@ GROUPS = {
         "kernel-bench": ("kernel_bench", "each kernel timed against its reference (GPU only)"),
         "serve-bench": ("serve_bench", "running servers side by side: tok/s, TTFT, latency"),
         "serve-sweep": ("serve_sweep", "running servers' tok/s by concurrency with z-lab's client"),
+        "serve-prefix": ("serve_prefix", "prefix cache reuse, chunked prefill stalls, store memory"),
         "miniature": ("miniature", "write a servable random-weight pair with a set acceptance"),
         "gpu-check": ("gpu_check", "a first GPU's check: kernels, step times, DFlash at tau 10"),
     },

