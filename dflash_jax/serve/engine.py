@@ -412,6 +412,7 @@ class Engine:
         for job in admit:
             self._admit(job)
         self._prefill_some()
+        served = time.perf_counter()  # what the step costs the iteration, the prefill aside (``schedule.timed``)
         n_out, finish, window, steps, accepted = parallel.host(self._snapshot())
         self._observe(accepted)
         # A step emits at most a block of tokens (a chain's block - 1 drafts and the bonus; a tree's path is at most
@@ -453,11 +454,12 @@ class Engine:
             with self._cond:  # /stats reads the schedule from another thread
                 sampled = any(not job.sampling.greedy for job in self._active.values())
                 left = [job.max_tokens - job.sent for job in self._active.values()]
-                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled)
-            started = time.perf_counter()
+                waiting = [job.max_tokens for job in self._prefilling]  # they join soon: the option is theirs too
+                held = max([*self._active, *(job.slot for job in self._prefilling)]) + 1
+                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held)
             self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
             with self._cond:
-                self.schedule.timed(rows, self._last, time.perf_counter() - started)
+                self.schedule.timed(rows, self._last, time.perf_counter() - served)
             self._stats.engine_steps += 1
         return True
 

@@ -4,8 +4,10 @@ Sits in the serving layer beside the engine (``engine.py``), which asks it befor
 the step accepted; it holds no arrays and runs no program. Its inputs are two:
 
 - The cost table: seconds per step for each (rows bucket, option), measured at warm-up on this machine
-  (``measure``), then moved toward each served step's own time (``timed``). A step runs the first R slots, R a
-  rows bucket that holds every running row (the engine keeps them in the low slots), so its cost follows the load.
+  (``measure``), each scaled by how much slower its served steps ran (``timed``: a served step's time is the
+  whole iteration but for the prompts' prefill: the step, the host copy, handing out the tokens, the choice);
+  a program not served yet is scaled by what the served ones show. A step runs the first R slots, R a rows
+  bucket that holds every running row (the engine keeps them in the low slots), so its cost follows the load.
 - The acceptance observed online: each step's histogram of accepted drafts (``observe``). For chains, per
   draft position k, the steps that reached k and those that accepted it (a step at block b that accepted a
   drafts reached positions 1 .. min(a + 1, b - 1)), so a block-16 step informs every smaller block and a
@@ -13,14 +15,19 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
   trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per step that brings some, so it
   follows the workload.
 
-``choose(top)`` takes, among the rows buckets that hold ``top`` rows (highest running slot + 1; for each option
-the bucket where it costs least: a smaller bucket copies its rows in and out, which can cost more than running
-every slot), the option with the most expected tokens per second, the sum over the running rows of
-E[tokens | option, the tokens the row may still emit] / cost(R, option) (a request that ends inside a block does
-not use all of it); plain decoding (block 1, E = 1) wins when nothing pays. An option
-with little evidence (under ``MIN_EVIDENCE`` row-steps) is explored at once, a stale one after enough steps that
-exploring costs at most ``EXPLORE_SHARE`` of the time, (cost(R, o) / cost(R, best) - 1) / period <=
-EXPLORE_SHARE: without it, a server that chose block 1 under load would never learn that speculation pays again.
+``choose(top, left, waiting=...)`` picks the option with the most expected tokens per second for the requests the
+step shares the engine with, the running ones and those still being prefilled (``waiting``: they join in a step or
+two, and a long step holds them back): the sum over those rows of E[tokens | option, the tokens the row may still
+emit] (a request that ends inside a block does not use all of it) over the option's cost in the cheapest rows
+bucket that holds them all. The step then runs that option in the cheapest bucket that holds the running rows (a
+smaller bucket copies its rows in and out, which can cost more than running every slot). Plain decoding (block
+1, E = 1) wins when nothing pays. Every other option is explored now and then, so its cost (and, for the longest
+chain and the trees, the acceptance) stays current: at once while an informative one has little evidence (under
+``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most ``EXPLORE_SHARE`` of the
+steps' time. A step of option o in place of the best one c loses cost(o) x (1 - rate(o) / rate(c)) seconds (rate:
+expected tokens per second), so o is explored after period = cost(o) / cost(c) x (1 - rate(o) / rate(c)) /
+EXPLORE_SHARE steps of c: without it, a server that chose block 1 under load would never learn that speculation
+pays again, nor one that chose speculation that plain decoding now does.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -43,11 +50,11 @@ from dflash_jax.decoding import blocksize
 
 ROUNDS = 3  # timed steps per program at warm-up (interleaved); a program's cost is their median
 DECAY = 0.97  # the weight of older evidence, per step that brings new evidence of the same kind
-EXPLORE_SHARE = 0.02  # exploring a stale option costs at most this share of the steps' time
+EXPLORE_SHARE = 0.02  # exploring the other options loses at most this share of the steps' time (each)
 PRIOR_STEPS = 1.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
 MIN_EVIDENCE = 16.0  # row-steps of evidence an informative option gathers before its estimate is trusted
 RECENT = 64  # choices /stats keeps
-COST_WEIGHT = 0.1  # the weight of each served step's own time in its program's cost (the table follows the load)
+COST_WEIGHT = 0.2  # the weight of each served step in its program's served / warm-up ratio (and the overall one)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -104,8 +111,8 @@ def measure(run: Callable[[Hashable], None], keys: Sequence[Hashable], *, rounds
 
 class Schedule:
     """The chooser of one engine: ``options`` (``Option``s, all within the engine's state layout), ``rows``
-    buckets, and ``prior`` a_k (the drafter's card) or None. ``costs`` is filled by the engine's warm-up; without
-    it (``--no-warmup``) every step runs the largest option."""
+    buckets, and ``prior`` a_k (the drafter's card) or None. ``costs`` (seconds per step at warm-up, the host copy
+    included) is filled by the engine's warm-up; without it (``--no-warmup``) every step runs the largest option."""
 
     def __init__(self, options: Sequence[Option], rows: Sequence[int], prior: Sequence[float] | None = None):
         if not options or not rows:
@@ -117,9 +124,11 @@ class Schedule:
         self._passed = PRIOR_STEPS * a  # ... and accepted it
         self._seen = 0.0  # decayed row-steps of chain evidence (the prior's excluded)
         self._trees = {o: [0.0, 0.0] for o in self.options if o.budget is not None}  # decayed [steps, drafts]
-        self._since = dict.fromkeys(self.options, math.inf)  # steps since an option last ran
+        self._since = dict.fromkeys(self.options, 0)  # steps since an option last ran (or since the start)
         self.costs: dict[tuple[int, Option], float] = {}
         self.copy = 0.0  # seconds of the host copy each step waits for (in every cost)
+        self._ratio: dict[tuple[int, Option], float] = {}  # served / warm-up seconds, per program served so far
+        self._load = 1.0  # ... over every served step: the ratio of a program not served yet
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
         self.counts: collections.Counter = collections.Counter()
         self.current: dict | None = None
@@ -127,6 +136,12 @@ class Schedule:
     def programs(self) -> list[tuple[int, Option]]:
         """Every (rows bucket, option) a step may run: the programs the warm-up compiles and times."""
         return [(r, o) for r in self.rows for o in self.options]
+
+    def cost(self, rows: int, option: Option) -> float | None:
+        """Seconds a served step of ``option`` over ``rows`` takes now: its warm-up cost x its served / warm-up ratio
+        (a program not served yet: every served program's); None when it was not timed."""
+        key = (rows, option)
+        return self.costs[key] * self._ratio.get(key, self._load) if key in self.costs else None
 
     def bucket(self, top: int) -> int:
         """The smallest rows bucket holding slots 0 .. top - 1."""
@@ -155,44 +170,56 @@ class Schedule:
         """Decayed row-steps of evidence behind ``option``'s estimate."""
         return self._seen if option.budget is None else self._trees[option][0]
 
-    def choose(self, top: int, left: Sequence[int] | None = None, sampled: bool = False) -> tuple[int, Option]:
+    def choose(self, top: int, left: Sequence[int] | None = None, sampled: bool = False,
+               waiting: Sequence[int] = (), held: int = 0) -> tuple[int, Option]:
         """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row; ``left``: the
         tokens each running row may still emit (None: unbounded), so a block is not paid for where a request ends
-        inside it. ``sampled``: some row samples (temperature > 0): the step runs the largest option, the method
-        as given, so that a seeded request reproduces itself whatever the load (the module doc)."""
+        inside it; ``waiting``: the same for each request being prefilled, ``held`` the highest slot any request
+        holds + 1 (the option is chosen for all of them, the step runs the running rows). ``sampled``: some row
+        samples (temperature > 0): the step runs the largest option, the method as given, so that a seeded request
+        reproduces itself whatever the load (the module doc)."""
         left = [None] if left is None else list(left)
-        fits = [r for r in self.rows if r >= top]
-        # each option in the bucket where it costs least (a larger one may: a smaller one copies its rows)
-        where = {o: min(fits, key=lambda r: (self.costs.get((r, o), math.inf), r)) for o in self.options}
-        cost = {o: self.costs.get((where[o], o)) for o in self.options}
-        if sampled or any(c is None for c in cost.values()):
+
+        def cheapest(rows):  # {option: (its cheapest bucket holding ``rows`` rows, its cost there)}
+            fits = [r for r in self.rows if r >= rows]
+            return {o: min(((self.cost(r, o), r) for r in fits), key=lambda c: (math.inf if c[0] is None else c[0],
+                                                                               c[1]))[::-1] for o in self.options}
+
+        run, load = cheapest(top), cheapest(max(top, held))
+        if sampled or any(c is None for _, c in load.values()):
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
             rows = self.bucket(top)
         else:
-            tokens = {o: sum(self.expected(o, n) for n in left) for o in self.options}  # per step, all rows
-            choice = min(self.options, key=lambda o: (-tokens[o] / cost[o], o.width))
+            rate = {o: sum(self.expected(o, n) for n in [*left, *waiting]) / c for o, (_, c) in load.items()}
+            choice = min(self.options, key=lambda o: (-rate[o], o.width))
             why = "best"
             for o in self.options:
-                if o != choice and self._informs(o):
-                    period = max(cost[o] / cost[choice] - 1, 0.0) / EXPLORE_SHARE
-                    if self._since[o] >= period or self._evidence(o) < MIN_EVIDENCE:
-                        choice, why = o, "explore"
-                        break
-            rows = where[choice]
+                if o == choice:
+                    continue
+                # a step of o in place of the choice loses cost(o) x (1 - rate(o) / rate(choice)) seconds
+                period = load[o][1] / load[choice][1] * (1 - rate[o] / rate[choice]) / EXPLORE_SHARE
+                if self._since[o] >= period or (self._informs(o) and self._evidence(o) < MIN_EVIDENCE):
+                    choice, why = o, "explore"
+                    break
+            rows = run[choice][0]
         for o in self.options:
             self._since[o] += 1
         self._since[choice] = 0
-        self.current = dict(rows=rows, top=top, active=len(left), choice=choice.name, why=why)
+        self.current = dict(rows=rows, top=top, active=len(left), waiting=len(waiting), choice=choice.name, why=why)
         self.recent.append((rows, choice.name))
         self.counts[f"{rows}x{choice.name}"] += 1
         return rows, choice
 
     def timed(self, rows: int, option: Option, seconds: float) -> None:
-        """A served step of ``option`` over ``rows`` took ``seconds`` (the host copy excluded): its cost moves
-        toward it, so the table follows the machine's load after warm-up."""
+        """A served step of ``option`` over ``rows`` took ``seconds`` (all of its iteration but the prefill): the
+        program's served / warm-up ratio, and every program's, move toward this one's, so that the table follows
+        the machine's load and what serving adds to a step after warm-up."""
         key = (rows, option)
         if key in self.costs:
-            self.costs[key] += COST_WEIGHT * (seconds + self.copy - self.costs[key])
+            ratio = seconds / self.costs[key]
+            mine = self._ratio.get(key, self._load)
+            self._ratio[key] = mine + COST_WEIGHT * (ratio - mine)
+            self._load += COST_WEIGHT * (ratio - self._load)
 
     def observe(self, option: Option, histogram) -> None:
         """Evidence of one step of ``option``: ``histogram`` [W] steps (over the rows it ran) that accepted
@@ -216,18 +243,21 @@ class Schedule:
     def table(self) -> str:
         """The cost table and the expected tokens per step, for the start-up log."""
         head = "rows " + " ".join(f"{o.name:>10}" for o in self.options)
-        lines = [f"{r:>4} " + " ".join(f"{self.costs[r, o] * 1e3:>8.2f}ms" if (r, o) in self.costs else f"{'-':>10}"
+        lines = [f"{r:>4} " + " ".join(f"{self.cost(r, o) * 1e3:>8.2f}ms" if (r, o) in self.costs else f"{'-':>10}"
                                        for o in self.options) for r in self.rows]
         tokens = "E[tokens/step] " + ", ".join(f"{o.name}: {self.expected(o):.2f}" for o in self.options)
         return "\n".join([head, *lines, tokens])
 
     def as_dict(self) -> dict:
-        """/stats' "speculation": the table (ms per step by rows bucket and option), the acceptance and expected
-        tokens per step now, the last choice, and the recent choices and their counts."""
+        """/stats' "speculation": the table (ms per step by rows bucket and option, as served now, and at warm-up),
+        the acceptance and expected tokens per step now, the last choice, and the recent choices and their counts."""
+        def ms(cost):
+            return {str(r): {o.name: round(cost(r, o) * 1e3, 3) for o in self.options if (r, o) in self.costs}
+                    for r in self.rows}
+
         return dict(
-            options=[o.name for o in self.options], rows=list(self.rows),
-            step_ms={str(r): {o.name: round(self.costs[r, o] * 1e3, 3) for o in self.options if (r, o) in self.costs}
-                     for r in self.rows},
+            options=[o.name for o in self.options], rows=list(self.rows), step_ms=ms(self.cost),
+            warmup_ms=ms(lambda r, o: self.costs[r, o]),
             acceptance=[round(float(a), 4) for a in self.acceptance()],
             expected_tokens={o.name: round(self.expected(o), 3) for o in self.options},
             current=self.current, counts=dict(self.counts), recent=[list(c) for c in self.recent])

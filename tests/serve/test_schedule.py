@@ -49,16 +49,22 @@ def test_the_big_block_when_it_pays_plain_when_nothing_pays():
     assert stats["counts"]["32x1"] == 1 and stats["recent"][-1] == [1, "1"]
 
 
-def test_a_small_block_informs_only_its_positions_and_stale_options_are_explored_rarely():
+def test_a_small_block_informs_only_its_positions_and_other_options_are_explored_within_their_share():
     costs = {1: {PLAIN: 1.0, MID: 1.1, BIG: 1.3}, 32: {PLAIN: 1.0, MID: 2.5, BIG: 9.0}}
     s = _schedule(costs, prior=[0.0] * 15)  # a card that says nothing is accepted
     _accepting(s, MID, 3, 100)  # every block-4 step accepts its 3 drafts: positions 1..3 certain, 4.. the prior
     assert s.acceptance()[:3] == pytest.approx([1.0] * 3, abs=0.01) and s.acceptance()[3] == 0.0
     assert s.expected(BIG) == pytest.approx(4.0, abs=0.05)
-    s._since[BIG] = 0  # BIG ran just now: at bucket 32 it costs 3.6x the choice, explored after (3.6 - 1) / 0.02
+    # at bucket 32 MID's rate is 4 / 2.5 = 1.6 tokens/s; a step of BIG (4 / 9) loses 9 x (1 - 0.44 / 1.6) = 6.5 s
+    # of MID's time, one of PLAIN (1 / 1) 1 x (1 - 1 / 1.6) = 0.375 s: explored after 6.5 / 2.5 / 0.02 = 130 and
+    # 0.375 / 2.5 / 0.02 = 7.5 steps of MID, so each loses at most 2% of the time
     picks = [s.choose(32)[1] for _ in range(300)]
-    assert [i for i, p in enumerate(picks) if p != MID] == [130, 261]
-    assert s.current == dict(rows=32, top=32, active=1, choice="4", why="best")
+    assert [i for i, p in enumerate(picks) if p == BIG] == [130, 261]
+    assert [i for i, p in enumerate(picks) if p == PLAIN][:3] == [8, 17, 26]
+    lost = sum({BIG: 9.0 * (1 - (4 / 9) / 1.6), PLAIN: 1.0 * (1 - 1 / 1.6), MID: 0.0}[p] for p in picks)
+    spent = sum(costs[32][p] for p in picks)
+    assert 0.02 < lost / spent <= 2 * schedule.EXPLORE_SHARE  # two options, each within its share
+    assert s.current == dict(rows=32, top=32, active=1, waiting=0, choice="4", why="best")
 
 
 def test_trees_are_weighed_by_their_own_acceptance():
@@ -72,12 +78,45 @@ def test_trees_are_weighed_by_their_own_acceptance():
     assert s.choose(3) == (4, small)  # 4 / 1.2 beats 5 / 2 and 1 / 1
 
 
-def test_served_steps_move_the_table_toward_their_time():
-    s = _schedule({1: {PLAIN: 1.0, BIG: 2.0}}, options=(PLAIN, BIG), rows=(1,))
-    s.copy = 0.5
+def test_served_steps_scale_their_program_and_the_ones_not_served_yet():
+    s = _schedule({1: {PLAIN: 1.0, BIG: 2.0}, 4: {PLAIN: 1.5, BIG: 4.0}}, options=(PLAIN, BIG), rows=(1, 4))
     for _ in range(60):
-        s.timed(1, BIG, 5.5)  # the machine got busier: the big block's steps take 6 s with the copy
-    assert s.costs[1, BIG] == pytest.approx(6.0, abs=0.01) and s.costs[1, PLAIN] == 1.0
+        s.timed(1, BIG, 6.0)  # served, the big block's steps take 3x their warm-up time
+    assert s.cost(1, BIG) == pytest.approx(6.0, abs=0.01)
+    assert s.cost(4, PLAIN) == pytest.approx(4.5, abs=0.01)  # not served yet: scaled as the served ones
+    for _ in range(60):
+        s.timed(4, PLAIN, 1.5)  # ... and plain decoding's as timed
+    assert s.cost(4, PLAIN) == pytest.approx(1.5, abs=0.01) and s.cost(1, BIG) == pytest.approx(6.0, abs=0.01)
+    assert s.costs[1, BIG] == 2.0 and s.as_dict()["warmup_ms"]["1"] == {"1": 1000.0, "16": 2000.0}
+    assert s.as_dict()["step_ms"]["4"]["1"] == pytest.approx(1500.0, abs=10)
+
+
+def test_the_choice_follows_served_costs_not_the_warmup_table():
+    """The warm-up table rates block 16 over 16 rows better than plain decoding over 32 (8 x 5 / 4.5 beats 8 / 1.0);
+    served, its steps take twice that and plain decoding's what the table says: once plain decoding has been
+    explored (its own served time, not the served block's ratio), it is chosen, in bucket 32."""
+    s = _schedule({16: {PLAIN: 2.0, BIG: 4.5}, 32: {PLAIN: 1.0, BIG: 9.0}}, options=(PLAIN, BIG), rows=(16, 32))
+    _accepting(s, BIG, 4, 40)  # E[16] = 5
+    served = {(16, BIG): 9.0, (32, BIG): 18.0, (16, PLAIN): 2.0, (32, PLAIN): 1.0}
+    picks = []
+    for _ in range(60):
+        rows, option = s.choose(8, left=[32] * 8)
+        s.timed(rows, option, served[rows, option])
+        picks.append((rows, option))
+    assert picks[0] == (16, BIG) and (32, PLAIN) in picks[:4]
+    assert picks[4:] == [(32, PLAIN)] * 56
+
+
+def test_requests_being_prefilled_choose_the_option_with_the_running_ones():
+    """Two rows run while 14 prompts prefill: the option is the best for 16 rows (plain decoding, cheapest over all
+    32 slots), run over the running rows' cheapest bucket; once they have joined, the same."""
+    s = _schedule({4: {PLAIN: 0.5, BIG: 1.0}, 16: {PLAIN: 2.0, BIG: 6.0}, 32: {PLAIN: 1.0, BIG: 9.0}},
+                  options=(PLAIN, BIG), rows=(4, 16, 32))
+    _accepting(s, BIG, 4, 40)  # E[16] = 5: over 4 rows 5 / 1.0 beats 1 / 0.5; over 16, 1 / 1.0 beats 5 / 6.0
+    assert s.choose(2, left=[32, 32]) == (4, BIG)
+    assert s.choose(2, left=[32, 32], waiting=[32] * 14, held=16) == (4, PLAIN)
+    assert s.current["waiting"] == 14
+    assert s.choose(16, left=[32] * 16) == (32, PLAIN)
 
 
 def test_options_and_rows_buckets():
