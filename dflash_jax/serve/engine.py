@@ -88,6 +88,9 @@ class Job:
     cached: int = 0  # prompt tokens resumed from the prefix cache
     done: int = 0  # prompt tokens prefilled so far (cached ones included)
     row: Prefix | None = None  # the prompt's one-row prefill while it is prefilled in chunks
+    reply: list[int] = dataclasses.field(default_factory=list)  # the tokens handed to emit so far
+    checkpoint: tuple | None = None  # (tokens processed, boundary snapshot) of its row before a step that may end
+    # it by max_tokens: what the prefix cache keeps when that step's row has processed tokens past its end
     marks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # per step: (tokens out, steps,
     # accepted drafts) of its row, cumulative: which steps and drafts the first n tokens took (``figures``)
 
@@ -131,8 +134,9 @@ class Engine:
     prompt tokens per engine iteration, between steps. ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
     prefix cache of that many bytes (blocks of ``prefix_block`` tokens, None: ``prefix.DEFAULT_BLOCK`` or the
     largest power of two a chunk holds; snapshots where a chunk ends on a block
-    boundary and at the last boundary before a prompt's last token; ``decoding.prefix``): a request resumes
-    from the deepest one its prompt matches (``Finish.cached`` tokens) and prefills the rest.
+    boundary, at the last boundary before a prompt's last token, and a finished request's row after its prompt and
+    reply (``_keep_reply``); ``decoding.prefix``): a request resumes from the deepest one its prompt matches
+    (``Finish.cached`` tokens) and prefills the rest.
 
     Speculation by load (``schedule.py``): each step runs one of ``options`` (blocks or tree budgets, default:
     the loop's own; each a loop of the same capacity whose block and width are at most ``loop``'s, which lays out
@@ -171,6 +175,8 @@ class Engine:
         self.prefix_block, self.chunk = prefix_block, min(chunk, bucket_limit(max_model_len))
         self.store = prefix_store.PrefixStore(prefix_block, prefix_cache_bytes) if prefix_cache_bytes else None
         self._layout = prefix_store.Layout.of(loop, params) if self.store else None
+        self._replies = self.store is not None and prefix_store.keeps_replies(loop)  # finished rows kept too
+        self._no_logits = None  # [slots, V] zeros: the logits of ``_rows`` (made once)
         self._prefilling: collections.deque[Job] = collections.deque()  # admitted (a slot held), prefilling
         spec = loop.spec
         options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
@@ -300,6 +306,10 @@ class Engine:
         programs += [("the first token", first),
                      ("a request into a slot", lambda: setattr(self, "state", self.loop.insert(
                          self.state, held.pop("state"), jnp.asarray(0, jnp.int32))))]
+        if self._replies:
+            programs += [("prefix cache: a finished row copied", lambda: (
+                store.cut(layout, self._rows(), 0, size=self.prefix_block, row=0),
+                store.snapshot(layout, self._rows(), 0)))]
         return programs
 
     def _time_step(self, program: tuple[int, Option]) -> None:
@@ -439,10 +449,16 @@ class Engine:
             if reason is None and job.cancelled:
                 reason = "abort"
             job.sent += len(new)
+            job.reply += new
             if new:
                 job.emit(new, None)
             if reason is None:
+                if self._replies and job.max_tokens - job.sent <= block:  # the next step may end it
+                    job.checkpoint = (len(job.prompt) + out - 1,
+                                      prefix_store.snapshot(self._layout, self._rows(), slot))
                 continue
+            if self._replies and reason != "nonfinite":
+                self._keep_reply(job, slot, out)
             done[slot] = True
             with self._cond:
                 del self._active[slot]
@@ -476,6 +492,31 @@ class Engine:
             job.cached = job.done = hit.length
         job.row = row
         self._prefilling.append(job)
+
+    def _rows(self) -> Prefix:
+        """The slots' rows as prefilled rows (``prefix.of_state``), to copy a finished request's from."""
+        if self._no_logits is None:
+            logits = jax.eval_shape(lambda: self.loop.empty(self.params, 1)).logits
+            self._no_logits = jnp.zeros((self.slots,) + logits.shape[1:], logits.dtype)
+        return prefix_store.of_state(self.state, self._no_logits)
+
+    def _keep_reply(self, job: Job, slot: int, out: int) -> None:
+        """Stores the row of ``job`` (ended, its slot not yet reused; ``out`` tokens emitted by its row) in the
+        prefix cache at the tokens its target processed, its prompt and reply, so that the conversation's next turn
+        resumes after the reply. The row has processed its prompt and its first ``out - 1`` emitted tokens; when
+        that runs past what ``job`` handed out (the last step emitted past a cut) it is stored as it was before
+        that step (``Job.checkpoint``), else not at all (its state past the reply would never match)."""
+        length, rows = len(job.prompt) + out - 1, self._rows()
+        if out - 1 <= job.sent:
+            boundary = lambda: prefix_store.snapshot(self._layout, rows, slot)  # noqa: E731
+        elif job.checkpoint is not None:
+            length, kept = job.checkpoint
+            boundary = lambda: kept  # noqa: E731
+        else:
+            return
+        block = self.prefix_block
+        self.store.add(job.prompt + job.reply[:length - len(job.prompt)],
+                       lambda b: prefix_store.cut(self._layout, rows, b * block, size=block, row=slot), boundary)
 
     def _prefill_some(self) -> None:
         """Prefills the admitted prompts' next chunks, oldest first, up to ``chunk`` tokens in all (so no running

@@ -3,8 +3,9 @@
 Sits on ``serve/engine.py`` (driven in process, no HTTP) and the shipped pair or a ``regime`` miniature:
 
 - ``reuse``: multi-turn conversations (HumanEval-derived: each turn's user message is a HumanEval prompt, the
-  assistant's reply the engine's own completion, and each turn resends the whole conversation), served one at a
-  time by an engine with the prefix cache and one without: time to first token per turn, and the hit rate.
+  assistant's reply the engine's own completion, and each turn resends the whole conversation), each turn served
+  alone by an engine with the prefix cache and then by one without: time to first token per turn, and the hit
+  rate.
 - ``stall``: streams decoding while a long prompt arrives: the longest gap between their tokens over their median
   gap, with prefill in chunks and in one piece (a random-weight ``regime`` miniature, big enough that the prompt's
   prefill takes a good part of a second on a CPU).
@@ -72,44 +73,48 @@ def _shipped(method_name):
 
 def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int = 32, max_len: int = 1024,
           chunk: int = 256) -> dict:
-    """TTFT per turn with and without the prefix cache (the same conversations: the replies of the run with the
-    cache are fed to both, so both see the same prompts), the hit rate of the cached run."""
+    """TTFT per turn with and without the prefix cache, interleaved: each turn goes to an engine with the cache
+    (its reply, ``reply`` tokens, joins the conversation) and then, the same prompt, to one without (one token);
+    medians over the conversations per turn, their ratio from the third turn on, the hit rate of the cached engine
+    and the median tokens it resumed per turn (a turn resumes past the previous prompt when the previous reply's
+    row was kept)."""
     method, target, proposer, pparams = _shipped(method_name)
     tok = frontend.load_tokenizer(frontend.ASSETS / "target")
     problems = [p["prompt"] for p in workloads.humaneval_rows()]
     users = [[frontend.encode(tok, problems[(c * turns + t) % len(problems)])[:120] for t in range(turns)]
              for c in range(conversations)]
-    ttft = {}
-    for cached in (True, False):
-        engine = _engine(target, proposer, pparams, method, max_len, cache_bytes=1 << 30 if cached else 0,
-                         chunk=chunk)
-        ttft[cached] = [[0.0] * turns for _ in range(conversations)]
-        replies = ttft.setdefault("replies", {})
-        for c in range(conversations):
-            history = []
-            for t in range(turns):
-                history = history + users[c][t]
-                done, got, result = _submit(engine, history, reply)
+    engines = {cached: _engine(target, proposer, pparams, method, max_len, cache_bytes=1 << 30 if cached else 0,
+                               chunk=chunk) for cached in (True, False)}
+    grid = lambda: [[0.0] * turns for _ in range(conversations)]  # noqa: E731  [conversation][turn]
+    ttft, cached_tokens, prompt_lens = {cached: grid() for cached in engines}, grid(), grid()
+    for c in range(conversations):
+        history = []
+        for t in range(turns):
+            history = history + users[c][t]
+            prompt_lens[c][t] = len(history)
+            for cached, engine in engines.items():
+                done, got, result = _submit(engine, history, reply if cached else 1)
                 assert done.wait(WAIT_S)
                 ttft[cached][c][t] = result["first"] - result["sent"]
                 if cached:
-                    replies[c, t] = got
-                history = history + replies[c, t]
-        stats = engine.stats()["prefix_cache"]
+                    answer, cached_tokens[c][t] = got, result["finish"].cached
+            history = history + answer
+    hit = engines[True].stats()["prefix_cache"]
+    for engine in engines.values():
         engine.close()
-        if cached:
-            hit = stats
-    late = [statistics.median(ttft[True][c][t] for c in range(conversations)) /
-            statistics.median(ttft[False][c][t] for c in range(conversations)) for t in range(2, turns)]
-    lookups = hit["hits"] + hit["misses"]
-    return dict(method=method_name, conversations=conversations, turns=turns,
-                ttft_ms_cached=[round(statistics.median(ttft[True][c][t] for c in range(conversations)) * 1e3, 1)
-                                for t in range(turns)],
-                ttft_ms_uncached=[round(statistics.median(ttft[False][c][t] for c in range(conversations)) * 1e3, 1)
-                                  for t in range(turns)],
-                ratio_turn3_on=[round(r, 3) for r in late], hit_rate=round(hit["hits"] / max(lookups, 1), 3),
-                cached_tokens=hit["cached_tokens"], evictions=hit["evictions"])
 
+    def median(rows, t):
+        return statistics.median(row[t] for row in rows)
+
+    lookups = hit["hits"] + hit["misses"]
+    return dict(method=method_name, conversations=conversations, turns=turns, reply=reply,
+                ttft_ms_cached=[round(median(ttft[True], t) * 1e3, 1) for t in range(turns)],
+                ttft_ms_uncached=[round(median(ttft[False], t) * 1e3, 1) for t in range(turns)],
+                ratio_turn3_on=[round(median(ttft[True], t) / median(ttft[False], t), 3) for t in range(2, turns)],
+                prompt_tokens=[median(prompt_lens, t) for t in range(turns)],
+                resumed_tokens=[median(cached_tokens, t) for t in range(turns)],
+                hit_rate=round(hit["hits"] / max(lookups, 1), 3), cached_tokens=hit["cached_tokens"],
+                evictions=hit["evictions"])
 
 def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chunk: int = 128) -> dict:
     """The running streams' longest gap between tokens over their median gap while a ``prompt_len`` prompt

@@ -118,6 +118,29 @@ def test_the_store_matches_block_chains_and_resumes_from_the_deepest_snapshot():
     assert (s["hits"], s["misses"], s["cached_tokens"]) == (3, 1, 20)
 
 
+def test_the_store_resumes_from_a_tail_snapshot_past_the_last_whole_block():
+    """A snapshot at a length that is not whole blocks (a finished request's prompt and reply) is a tail entry under
+    its last whole block: a prompt that starts with its tokens and goes on resumes there, others do not."""
+    store = store_mod.PrefixStore(block=4, capacity_bytes=10_000)
+    tokens = list(range(20))
+    store.add(tokens[:4], lambda b: _page(64), lambda: _page(32))  # a snapshot at 4
+    pages = []
+    store.add(tokens[:10], lambda b: pages.append(b) or _page(64), lambda: _page(32))  # block 0 again, 1, the tail
+    assert pages == [0, 1, 2] and store.stats()["entries"] == 3 and store.bytes == 3 * 64 + 2 * 32
+    store.add(tokens[:10], lambda b: _page(64), lambda: _page(32))  # stored already: nothing new
+    assert store.bytes == 3 * 64 + 2 * 32
+    hit = store.lookup(tokens[:13])
+    assert (hit.length, len(hit.pages)) == (10, 3)
+    assert store.lookup(tokens[:10]).length == 4  # one token left to prefill: not the tail at 10
+    assert store.lookup(tokens[:9] + [99, 98]).length == 4  # the tail's tokens differ
+    store.add([7, 7], lambda b: _page(64), lambda: _page(32))  # a tail under no block
+    assert store.lookup([7, 7, 7]).length == 2 and store.lookup([7, 8, 7]).length == 0
+    for key in list(store._entries):
+        if key[0] == -1 and len(key[1]) == 4:
+            store._drop(store._entries[key])  # the chain's root: its blocks and tail go with it
+    assert store.lookup(tokens[:13]).length == 0 and store.bytes == 64 + 32 and store.lookup([7, 7, 7]).length == 2
+
+
 def test_the_store_evicts_least_recently_used_chains_deepest_first_within_its_bytes():
     store = store_mod.PrefixStore(block=2, capacity_bytes=1000)
     a, b = [1, 1, 2, 2, 3], [7, 7, 8, 8, 9]

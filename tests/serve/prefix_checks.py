@@ -1,11 +1,13 @@
-"""The prefix cache's exactness check, shared by test_engine.py (the shipped pair, dflash:8, chunks of 16) and
-test_prefix_cache.py (every method, chunks of 16 and 64)."""
+"""The prefix cache's exactness checks, shared by test_engine.py (the shipped pair, dflash:8, chunks of 16) and
+test_prefix_cache.py (every method, chunks of 16 and 64): prompt hits (``check_prefix_hits``) and a conversation's
+next turns resuming after the previous reply (``check_reply_hits``)."""
 
 from __future__ import annotations
 
 import threading
 
 from dflash_jax import frontend
+from dflash_jax.decoding import prefix
 from dflash_jax.decoding.api import generate
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.serve.engine import Job
@@ -54,3 +56,27 @@ def check_prefix_hits(engine, target, drafter, block: int, tree_budget: int | No
     after = engine.stats()["prefix_cache"]
     assert after["hits"] - before["hits"] == 4 and after["cached_tokens"] - before["cached_tokens"] == 128
     assert 0 < after["bytes"] <= after["capacity_bytes"]
+    check_reply_hits(engine, target, drafter, block, tree_budget)
+
+
+def check_reply_hits(engine, target, drafter, block: int, tree_budget: int | None = None) -> None:
+    """A conversation of three turns, each resending the last prompt, the engine's reply and a one-token message: the
+    second (greedy) and third (seeded, sampled) resume past the previous prompt's end, from the snapshot of the
+    finished row (prompt and reply, at whatever length its target had processed, or before its last step when that
+    ran past the reply's end), and prefill a token or a few: their first token reads the restored Gated DeltaNet
+    state at once, the drafter its restored context. Tokens and verify steps equal ``generate`` alone. A method
+    whose replies are not kept (``prefix.keeps_replies``: MTP) resumes from its prompts' snapshots instead,
+    exactly too."""
+    tok = frontend.load_tokenizer(frontend.ASSETS / "target")
+    tokens = frontend.encode(tok, "class Ring:\n    def __init__(self, size):\n        self.items = [None] * size\n")
+    kw = dict(drafter=drafter, block_size=block, tree_budget=tree_budget, stop_ids=(0,))
+    replies = prefix.keeps_replies(engine.loop)
+    prompt, reply = tokens[:17], 8
+    first, _ = serve_one(engine, prompt, reply)
+    for turn, sampling, seed, new in ((2, SamplingConfig(), 0, reply), (3, SamplingConfig(temperature=0.8), 7, NEW)):
+        before, prompt = len(prompt), prompt + first + tokens[17 + turn:18 + turn]
+        got, finish = serve_one(engine, prompt, new, sampling, seed)
+        alone = generate(target, [prompt], max_new_tokens=new, sampling=sampling, rng=seed, **kw)
+        assert (got, finish.steps) == (alone.token_lists()[0], int(alone.steps[0])), f"turn {turn}"
+        assert finish.cached > before if replies else finish.cached < before, f"turn {turn}: {finish.cached} cached"
+        first = got
