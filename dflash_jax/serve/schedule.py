@@ -15,19 +15,20 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
   trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per step that brings some, so it
   follows the workload.
 
-``choose(top, left, waiting=...)`` picks the option with the most expected tokens per second for the requests the
-step shares the engine with, the running ones and those still being prefilled (``waiting``: they join in a step or
-two, and a long step holds them back): the sum over those rows of E[tokens | option, the tokens the row may still
-emit] (a request that ends inside a block does not use all of it) over the option's cost in the cheapest rows
-bucket that holds them all. The step then runs that option in the cheapest bucket that holds the running rows (a
-smaller bucket copies its rows in and out, which can cost more than running every slot). Plain decoding (block
-1, E = 1) wins when nothing pays. Every other option is explored now and then, so its cost (and, for the longest
+``choose(top, left)`` picks the option with the most expected tokens per second: the sum over the running rows of
+E[tokens | option, the tokens the row may still emit] (a request that ends inside a block does not use all of it)
+over the option's cost in the cheapest rows bucket that holds them (a smaller bucket copies its rows in and out,
+which can cost more than running every slot). Plain decoding (block 1, E = 1) wins when nothing pays. While
+requests are being prefilled (``waiting``), they join after a set number of iterations, whatever the steps run, so
+a long step holds every one of them back: a step is then worth its tokens less what all the held requests would
+emit in its time at the best rate for all of them, E x cost, and the option with the most of that runs (during a
+burst of arrivals, a short step). Every other option is explored now and then, so its cost (and, for the longest
 chain and the trees, the acceptance) stays current: at once while an informative one has little evidence (under
 ``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most ``EXPLORE_SHARE`` of the
 steps' time. A step of option o in place of the best one c loses cost(o) x (1 - rate(o) / rate(c)) seconds (rate:
 expected tokens per second), so o is explored after period = cost(o) / cost(c) x (1 - rate(o) / rate(c)) /
 EXPLORE_SHARE steps of c: without it, a server that chose block 1 under load would never learn that speculation
-pays again, nor one that chose speculation that plain decoding now does.
+pays again, nor one that speculates that plain decoding now does.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -175,9 +176,9 @@ class Schedule:
         """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row; ``left``: the
         tokens each running row may still emit (None: unbounded), so a block is not paid for where a request ends
         inside it; ``waiting``: the same for each request being prefilled, ``held`` the highest slot any request
-        holds + 1 (the option is chosen for all of them, the step runs the running rows). ``sampled``: some row
-        samples (temperature > 0): the step runs the largest option, the method as given, so that a seeded request
-        reproduces itself whatever the load (the module doc)."""
+        holds + 1 (while any is, a step is judged against what all of them would emit in its time: the module doc).
+        ``sampled``: some row samples (temperature > 0): the step runs the largest option, the method as given, so
+        that a seeded request reproduces itself whatever the load (the module doc)."""
         left = [None] if left is None else list(left)
 
         def cheapest(rows):  # {option: (its cheapest bucket holding ``rows`` rows, its cost there)}
@@ -190,17 +191,24 @@ class Schedule:
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
             rows = self.bucket(top)
         else:
-            rate = {o: sum(self.expected(o, n) for n in [*left, *waiting]) / c for o, (_, c) in load.items()}
-            choice = min(self.options, key=lambda o: (-rate[o], o.width))
-            why = "best"
-            for o in self.options:
-                if o == choice:
-                    continue
-                # a step of o in place of the choice loses cost(o) x (1 - rate(o) / rate(choice)) seconds
-                period = load[o][1] / load[choice][1] * (1 - rate[o] / rate[choice]) / EXPLORE_SHARE
-                if self._since[o] >= period or (self._informs(o) and self._evidence(o) < MIN_EVIDENCE):
-                    choice, why = o, "explore"
-                    break
+            tokens = {o: sum(self.expected(o, n) for n in left) for o in self.options}  # this step's, all its rows
+            if waiting:  # they join after a set number of iterations, whatever the steps: the step that costs the
+                # load least, its tokens less what every held request would have emitted in its time at the best rate
+                full = max(sum(self.expected(o, n) for n in [*left, *waiting]) / c for o, (_, c) in load.items())
+                choice = max(self.options, key=lambda o: (tokens[o] - full * run[o][1], -o.width))
+                why = "admitting"
+            else:
+                rate = {o: tokens[o] / c for o, (_, c) in run.items()}
+                choice = min(self.options, key=lambda o: (-rate[o], o.width))
+                why = "best"
+                for o in self.options:
+                    if o == choice:
+                        continue
+                    # a step of o in place of the choice loses cost(o) x (1 - rate(o) / rate(choice)) seconds
+                    period = run[o][1] / run[choice][1] * (1 - rate[o] / rate[choice]) / EXPLORE_SHARE
+                    if self._since[o] >= period or (self._informs(o) and self._evidence(o) < MIN_EVIDENCE):
+                        choice, why = o, "explore"
+                        break
             rows = run[choice][0]
         for o in self.options:
             self._since[o] += 1

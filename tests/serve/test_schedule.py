@@ -107,16 +107,19 @@ def test_the_choice_follows_served_costs_not_the_warmup_table():
     assert picks[4:] == [(32, PLAIN)] * 56
 
 
-def test_requests_being_prefilled_choose_the_option_with_the_running_ones():
-    """Two rows run while 14 prompts prefill: the option is the best for 16 rows (plain decoding, cheapest over all
-    32 slots), run over the running rows' cheapest bucket; once they have joined, the same."""
-    s = _schedule({4: {PLAIN: 0.5, BIG: 1.0}, 16: {PLAIN: 2.0, BIG: 6.0}, 32: {PLAIN: 1.0, BIG: 9.0}},
+def test_while_requests_are_prefilled_a_step_is_worth_its_tokens_less_the_held_load_in_its_time():
+    """Four rows run while twelve prompts prefill: alone, block 16 pays for them (4 x 5 / 1.2 beats 4 / 0.25 tokens
+    per second), but every iteration brings the prompts a chunk closer whatever it runs, and all 16 would emit
+    16 x 5 / 4.0 = 20 tokens/s: block 16's step is worth 20 - 20 x 1.2 = -4 tokens, plain decoding's 4 - 20 x 0.25
+    = -1."""
+    s = _schedule({4: {PLAIN: 0.25, BIG: 1.2}, 16: {PLAIN: 2.0, BIG: 4.0}, 32: {PLAIN: 1.0, BIG: 9.0}},
                   options=(PLAIN, BIG), rows=(4, 16, 32))
-    _accepting(s, BIG, 4, 40)  # E[16] = 5: over 4 rows 5 / 1.0 beats 1 / 0.5; over 16, 1 / 1.0 beats 5 / 6.0
-    assert s.choose(2, left=[32, 32]) == (4, BIG)
-    assert s.choose(2, left=[32, 32], waiting=[32] * 14, held=16) == (4, PLAIN)
-    assert s.current["waiting"] == 14
-    assert s.choose(16, left=[32] * 16) == (32, PLAIN)
+    _accepting(s, BIG, 4, 40)  # E[16] = 5
+    assert s.choose(4, left=[32] * 4) == (4, BIG)
+    assert s.choose(4, left=[32] * 4, waiting=[32] * 12, held=16) == (4, PLAIN)
+    assert s.current["why"] == "admitting" and s.current["waiting"] == 12
+    assert s.choose(4, left=[32] * 4, waiting=[32], held=5) == (4, BIG)  # 5 would emit 25 / 4.0: 20 - 7.5 beats 2.4
+    assert s.choose(16, left=[32] * 16) == (16, BIG)  # all joined: 80 / 4.0 beats 16 / 1.0
 
 
 def test_options_and_rows_buckets():
