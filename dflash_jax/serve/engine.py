@@ -195,6 +195,9 @@ class Engine:
         self._last: Option | None = None  # the option of the last step (whose acceptance the next snapshot shows)
         self.state = self._empty_state()
         self._seen = None  # [slots, block] the histograms of accepted drafts already observed
+        self._own = np.zeros((slots, 2))  # per slot: steps of the longest chain its request ran, drafts it accepted
+        self._owner: list[Job | None] = [None] * slots  # ... which request that is
+        self._longest = max((o for o in options if o.budget is None), default=None)
 
     @staticmethod
     def capacity(max_model_len: int, width: int) -> int:
@@ -472,7 +475,8 @@ class Engine:
                 left = [job.max_tokens - job.sent for job in self._active.values()]
                 waiting = [job.max_tokens for job in self._prefilling]  # they join soon: the option is theirs too
                 held = max([*self._active, *(job.slot for job in self._prefilling)]) + 1
-                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held)
+                factors = [self.schedule.row_factor(*self._own[slot]) for slot in self._active]
+                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held, factors)
             self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
             with self._cond:
                 self.schedule.timed(rows, self._last, time.perf_counter() - served)
@@ -550,11 +554,17 @@ class Engine:
 
     def _observe(self, accepted: np.ndarray) -> None:
         """Tells ``schedule`` what the last step accepted: each row's histogram [slots, block] less what was
-        seen before (a row inserted since starts from zero)."""
+        seen before (a row inserted since starts from zero); and counts each request's own acceptance in the steps
+        of the longest chain (``schedule.row_factor``)."""
         delta = accepted - (0 if self._seen is None else self._seen)
         fresh = (delta < 0).any(-1)
         delta[fresh] = accepted[fresh]
         self._seen = accepted.astype(np.int64)
+        for slot, job in self._active.items():
+            if self._owner[slot] is not job:
+                self._owner[slot], self._own[slot] = job, 0.0
+        if self._last is not None and self._last == self._longest:
+            self._own += np.stack([delta.sum(-1), delta @ np.arange(delta.shape[-1])], -1)
         if self._last is not None:
             with self._cond:
                 self.schedule.observe(self._last, delta.sum(0))
