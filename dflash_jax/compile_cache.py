@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 from pathlib import Path
 
 ENV = "DFLASH_JAX_COMPILATION_CACHE_DIR"
@@ -28,11 +29,13 @@ HELP = (f"where compiled programs are kept across runs (JAX's persistent compila
 _LOOKUPS, _HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
 _counts: collections.Counter = collections.Counter()  # JAX's events since ``enable``, counted by ``_count``
 _listening: list = []  # ``_count`` once it is registered with JAX (which cannot be asked)
+_lock = threading.Lock()  # programs compile on several threads at once (``serve``'s warm-up)
 
 
 def _count(event: str, **_) -> None:
     if event in (_LOOKUPS, _HITS):
-        _counts[event] += 1
+        with _lock:
+            _counts[event] += 1
 
 
 def tally() -> tuple[int, int]:

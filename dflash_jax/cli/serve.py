@@ -27,6 +27,7 @@ from dflash_jax import compile_cache, frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import DrafterConfig, read_target_config
 from dflash_jax.decoding import prefix as prefix_store
+from dflash_jax.serve import cost_cache
 from dflash_jax.serve.engine import DEFAULT_BATCHED_TOKENS
 
 log = logging.getLogger("dflash_jax.serve")
@@ -113,14 +114,16 @@ class _Phases:
                 log.info("%s (still at it: %.0f s)", note, took)
 
 
-def build(args, mesh=None, settings=None):
+def build(args, mesh=None, settings=None, cache_dir=None):
     """(Served, the app) for the flags (``settings``: ``_settings(args)`` when already checked): models loaded,
-    the engine built (and compiled unless --no-warmup), each phase logged (``_Phases``)."""
+    the engine built (and compiled unless --no-warmup), each phase logged (``_Phases``). ``cache_dir``: the
+    compilation cache's folder, where the warm-up's step costs are kept for the next start of this configuration
+    (``serve/cost_cache.py``; None: they are timed and not kept)."""
     with _Phases() as say:
-        return _build(args, mesh, settings, say)
+        return _build(args, mesh, settings, say, cache_dir)
 
 
-def _build(args, mesh, settings, say):
+def _build(args, mesh, settings, say, cache_dir):
     from dflash_jax.decoding import blocksize
     from dflash_jax.decoding.loop import SpeculativeLoop
     from dflash_jax.serve.app import Served, create_app
@@ -164,11 +167,28 @@ def _build(args, mesh, settings, say):
     log.info("serving %s (%s, block %d) with %d slots of %d tokens on %s", model_dir, method.name, method.block,
              args.max_num_seqs, max_len, jax.default_backend())
     if not args.no_warmup:
+        stamp = cache_dir and cost_cache.fingerprint(_engine_flags(args), [d for d in (model_dir, draft_dir) if d])
+        costs = cost_cache.load(cache_dir, stamp, engine.schedule.programs()) if cache_dir else None
+        if costs is not None:
+            log.info("step costs: as an earlier start of this configuration measured them (%s), not timed again",
+                     cost_cache.path(cache_dir, stamp))
         say(f"warm-up: compiling prefill (buckets {engine.buckets()}), insert and step ...")
-        engine.warmup(progress=lambda note: say(f"warm-up: {note}"))
+        engine.warmup(progress=lambda note: say(f"warm-up: {note}"), costs=costs)
+        if cache_dir and costs is None:
+            cost_cache.save(cache_dir, stamp, (engine.schedule.costs, engine.schedule.copy))
     served = Served(engine=engine, tokenizer=tokenizer, model_name=model_name(args), eos_ids=tuple(cfg.eos_token_ids),
                     speculative=method.block > 1)
     return served, create_app(served)
+
+
+# flags that change nothing the warm-up measures (the step costs are kept across starts without them)
+_NOT_ENGINE = ("func", "command", "host", "port", "uvicorn_log_level", "timeout_keep_alive", "read_timeout",
+               "served_model_name", "tokenizer", "compilation_cache_dir", "max_queue_len", "no_warmup")
+
+
+def _engine_flags(args) -> dict:
+    """The flags of ``args`` that set the engine (and so the step costs its warm-up measures)."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_ENGINE}
 
 
 def model_name(args) -> str:
@@ -263,7 +283,7 @@ def cmd_serve(args) -> int:
     sock = bind(args.host, args.port)
     try:
         cache = compile_cache.enable(args.compilation_cache_dir)
-        _, app = build(args, cli_args.mesh_from_args(args), settings)
+        _, app = build(args, cli_args.mesh_from_args(args), settings, cache)
         compiled, loaded = compile_cache.tally()
         kept = f"{compiled} programs compiled, {loaded} loaded from {cache}" if cache else "no compilation cache"
         log.info("ready in %.1f s (%s)", time.perf_counter() - started, kept)

@@ -19,9 +19,11 @@ by the loop (whose spec has none): the tokens are the loop's, cut where ``genera
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import heapq
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -260,27 +262,49 @@ class Engine:
         # not weak-typed (as jnp.full's would be): a step's and insert's finish is not, and insert compiles once
         return dataclasses.replace(state, finish=jnp.asarray(np.full(self.slots, FinishReason.STOP, np.int32)))
 
-    def warmup(self, progress: Callable[[str], None] | None = None) -> None:
+    def warmup(self, progress: Callable[[str], None] | None = None,
+               costs: tuple[dict[tuple[int, Option], float], float] | None = None) -> None:
         """Compiles every program serving runs (prefill per bucket, insert, a step per rows bucket and option, the
         host copies), so that no request waits for a compilation, and times each step for ``schedule``'s cost
-        table (each step's own time, plus the host copy every step waits for); the slots stay free.
+        table (each step's own time, plus the host copy every step waits for); the slots stay free. The step
+        programs compile on a pool of threads, one per core, while this thread compiles the prefill programs (XLA
+        compiles one program on one core). ``costs``: (the table, the host copy's seconds) an earlier start of
+        this configuration measured (``cost_cache``), used instead of timing the steps again.
         ``progress(message)`` hears of each program as it compiles."""
         say = progress or (lambda message: None)
         prefill, programs = self._prefill_programs(), self.schedule.programs()
         total = len(prefill) + len(programs)
-        for k, (what, run) in enumerate(prefill, 1):
-            say(f"program {k} of {total}: {what}")
-            run()
-        self.state = self._free_rows(self.state, np.ones(self.slots, bool))
-        for k, (rows, option) in enumerate(programs, len(prefill) + 1):
-            say(f"program {k} of {total}: a step of {rows} rows at {option.name}")
-            self._time_step((rows, option))
-        say(f"timing {len(programs)} steps")
-        costs = schedule.measure(self._time_step, programs)
-        copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
-        self.schedule.costs, self.schedule.copy = {p: c + copy for p, c in costs.items()}, copy
+        # every row committed to its device, as each step's output is: a step compiled for these is the one run
+        self.state = jax.device_put(self.state, jax.tree.map(lambda x: x.sharding, self.state))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                                             weak_type=getattr(x, "weak_type", False)), self.state)
+
+        def compile_step(rows: int, option: Option) -> None:  # (a bound jitted method's .lower drops its self)
+            SpeculativeLoop.step_rows.lower(self._loops[option], self.params, shapes, rows).compile()
+
+        pool = concurrent.futures.ThreadPoolExecutor(min(len(programs), _cores()), "dflash-jax-compile")
+        try:
+            steps = {p: pool.submit(compile_step, *p) for p in programs}
+            for k, (what, run) in enumerate(prefill, 1):
+                say(f"program {k} of {total}: {what}")
+                run()
+            self.state = self._free_rows(self.state, np.ones(self.slots, bool))
+            for k, (rows, option) in enumerate(programs, len(prefill) + 1):
+                say(f"program {k} of {total}: a step of {rows} rows at {option.name}")
+                steps[rows, option].result()
+                self._time_step((rows, option))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)  # after an error: the compiles not begun are dropped
+        parallel.host(self._snapshot())  # the host copy after each step, compiled whether or not steps are timed
+        if costs is None:
+            say(f"timing {len(programs)} steps")
+            measured = schedule.measure(self._time_step, programs)
+            copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
+            costs = {p: c + copy for p, c in measured.items()}, copy
+        self.schedule.costs, self.schedule.copy = costs
         log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
-                 "tree of N nodes), the host copy of %.2f ms included:\n%s", copy * 1e3, self.schedule.table())
+                 "tree of N nodes), the host copy of %.2f ms included:\n%s", self.schedule.copy * 1e3,
+                 self.schedule.table())
 
     def _prefill_programs(self) -> list[tuple[str, Callable[[], None]]]:
         """(what, run) of each program that admitting a request runs, in order (an empty row, a prompt chunk per
@@ -585,6 +609,11 @@ def seed_key(seed: int) -> np.ndarray:
     ``jax.random.key(seed)`` makes with 64-bit integers on, so a seed under 2**31 gives ``generate --seed``'s."""
     seed %= 2**64
     return np.array([seed >> 32, seed & 0xFFFFFFFF], np.uint32)
+
+
+def _cores() -> int:
+    """The cores this process may run on (the warm-up compiles that many step programs at once)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def bucket_limit(max_model_len: int) -> int:

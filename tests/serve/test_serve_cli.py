@@ -224,8 +224,9 @@ def test_a_fatal_engine_error_fails_health_and_ends_serve_with_status_1(monkeypa
 @pytest.mark.slow
 def test_a_second_start_compiles_nothing_the_first_compiled(tmp_path):
     """Two starts of one configuration (a small one, warmed up) with one --compilation-cache-dir: the second's
-    ready line counts 0 programs compiled, and loads what the first compiled."""
-    counts = []
+    ready line counts 0 programs compiled, and loads what the first compiled; it times no step, and logs the
+    step costs the first measured (kept beside the programs: ``serve/cost_cache.py``)."""
+    counts, tables = [], []
     for run in range(2):
         port = free_port()
         log = open(tmp_path / f"serve{run}.log", "w+")
@@ -240,12 +241,15 @@ def test_a_second_start_compiles_nothing_the_first_compiled(tmp_path):
                 assert time.monotonic() < deadline, "the server did not start"
                 time.sleep(0.5)
             counts.append((int(found[1]), int(found[2])))
+            text = (tmp_path / f"serve{run}.log").read_text()
+            tables.append((re.search(r"included:\n(.*?)\nE\[tokens", text, re.S)[1], "warm-up: timing" in text))
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(TIMEOUT_S)
             log.close()
     (first_compiled, first_loaded), (second_compiled, second_loaded) = counts
     assert first_compiled > 0 and second_compiled == 0 and second_loaded == first_compiled + first_loaded, counts
+    assert tables[0][1] and not tables[1][1] and tables[1][0] == tables[0][0], tables
 
 
 @pytest.mark.parametrize("flags, want", [
