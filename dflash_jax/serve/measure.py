@@ -33,11 +33,14 @@ from dflash_jax.serve.engine import Engine, Job, spec_for
 WAIT_S = 900
 
 
-def _engine(target, proposer, pparams, method, max_len, *, cache_bytes, chunk, slots=4):
+def _engine(target, proposer, pparams, method, max_len, *, cache_bytes, chunk, slots=4, parts=None):
+    """A warm engine, running; ``parts`` (a ``_Parts``) times its programs once warm."""
     loop = SpeculativeLoop.of(target, proposer, spec_for(method.block, max_len, method.tree))
     engine = Engine(loop, (target.params, pparams), slots=slots, max_model_len=max_len, max_queue=64,
                     prefix_cache_bytes=cache_bytes, max_num_batched_tokens=chunk)
     engine.warmup()
+    if parts is not None:
+        parts.attach(engine)
     engine.start()
     return engine
 
@@ -116,9 +119,72 @@ def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int =
                 hit_rate=round(hit["hits"] / max(lookups, 1), 3), cached_tokens=hit["cached_tokens"],
                 evictions=hit["evictions"])
 
+
+class _Parts:
+    """What a served engine's iterations are made of (``stall``): each prompt chunk (``extend``), first token
+    (``start``), insert into a slot and step (``step_rows``) of its loops and each ``add`` to its prefix store, kept
+    as (part, began, ended). Each is waited for as it is called, so a part's time is its own (the engine would let
+    a chunk run on while the host copies the last step's tokens; ``add`` is timed as dispatched, its copies land
+    in the part after it)."""
+
+    NAMES = dict(extend="chunk", start="first token", insert="insert", step_rows="step")
+
+    def __init__(self):
+        self.spans: list[tuple[str, float, float]] = []
+
+    def timed(self, part: str, fn):
+        import jax
+
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            out = jax.block_until_ready(fn(*args, **kwargs))
+            self.spans.append((part, began, time.perf_counter()))
+            return out
+        return run
+
+    def attach(self, engine: Engine) -> None:
+        engine.loop = _Timed(engine.loop, self)
+        engine._loops = {option: _Timed(loop, self) for option, loop in engine._loops.items()}
+        if engine.store is not None:
+            engine.store.add = self.timed("prefix store", engine.store.add)
+
+    def within(self, begin: float, end: float) -> dict[str, float]:
+        """Milliseconds per part of the spans inside [begin, end] (a gap between two tokens), the rest "other"
+        (the host's copy of the step's tokens, handing them out, dispatches)."""
+        ms = {}
+        for part, a, b in self.spans:
+            if begin <= a and b <= end:
+                ms[part] = ms.get(part, 0.0) + (b - a) * 1e3
+        ms["other"] = (end - begin) * 1e3 - sum(ms.values())
+        return {part: round(v, 1) for part, v in ms.items()}
+
+    def medians(self, begin: float, end: float) -> dict[str, float]:
+        """The median milliseconds of each part begun in [begin, end]."""
+        by = {}
+        for part, a, b in self.spans:
+            if begin <= a <= end:
+                by.setdefault(part, []).append((b - a) * 1e3)
+        return {part: round(statistics.median(v), 1) for part, v in by.items()}
+
+
+class _Timed:
+    """A loop whose ``_Parts.NAMES`` phases ``parts`` times."""
+
+    def __init__(self, loop: SpeculativeLoop, parts: _Parts):
+        self._loop, self._parts = loop, parts
+
+    def __getattr__(self, name):
+        attr = getattr(self._loop, name)
+        part = _Parts.NAMES.get(name)
+        return attr if part is None else self._parts.timed(part, attr)
+
+
 def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chunk: int = 128) -> dict:
     """The running streams' longest gap between tokens over their median gap while a ``prompt_len`` prompt
-    prefills, with chunks of ``chunk`` tokens and with the prompt in one piece; and the prompt's prefill time."""
+    prefills, with chunks of ``chunk`` tokens and with the prompt in one piece, on an engine as served by default
+    (prefix cache on); the prompt's prefill time; the median gap while it prefills over the median gap; what the
+    longest gap was made of (``_Parts.within``) and each part's median while the prompt prefilled
+    (``_Parts.medians``)."""
     import jax.numpy as jnp
 
     from dflash_jax.perf import regime, synthetic
@@ -130,7 +196,8 @@ def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chun
     rng = np.random.default_rng(0)
     out = dict(miniature=miniature, prompt_len=prompt_len, streams=streams)
     for name, size in (("chunked", chunk), ("whole", 2048)):
-        engine = _engine(target, proposer, pparams, method, 2560, cache_bytes=0, chunk=size)
+        parts = _Parts()
+        engine = _engine(target, proposer, pparams, method, 2560, cache_bytes=1 << 30, chunk=size, parts=parts)
         times = [[] for _ in range(streams)]
         runs = [_submit(engine, rng.integers(2, 4000, 16).tolist(), 400, times[s]) for s in range(streams)]
         while min(len(t) for t in times) < 20:
@@ -141,14 +208,19 @@ def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chun
             assert done.wait(WAIT_S)
         engine.close()
         start, first = long_result["sent"], long_result["first"]
-        ratios, medians = [], []
+        worst, medians, during = (0.0, 0.0, 0.0), [], []  # worst: (gap / median, gap began, gap ended)
         for t in times:
-            gaps = np.diff(np.unique(t))
-            during = [g for a, g in zip(np.unique(t)[1:], gaps, strict=True) if start <= a <= first + 0.5]
+            t = np.unique(t)
+            gaps = np.diff(t)
             medians.append(float(np.median(gaps)))
-            ratios.append(max(during, default=0.0) / medians[-1])
-        out[name] = dict(chunk=size, prefill_ttft_s=round(first - start, 3), max_gap_over_median=round(max(ratios), 2),
-                         median_gap_ms=round(statistics.median(medians) * 1e3, 1))
+            for a, b in zip(t[:-1], t[1:], strict=True):
+                if start <= b <= first + 0.5:
+                    during.append((b - a) / medians[-1])
+                    worst = max(worst, ((b - a) / medians[-1], a, b))
+        out[name] = dict(chunk=size, prefill_ttft_s=round(first - start, 3), max_gap_over_median=round(worst[0], 2),
+                         median_gap_ms=round(statistics.median(medians) * 1e3, 1),
+                         prefilling_gap_over_median=round(statistics.median(during), 2),
+                         longest_gap_ms=parts.within(*worst[1:]), prefill_median_ms=parts.medians(start, first))
     return out
 
 
