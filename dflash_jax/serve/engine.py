@@ -220,11 +220,13 @@ class Engine:
 
     def _next_chunk(self, prompt: list[int], done: int) -> int:
         """Where the chunk of ``prompt`` after its first ``done`` tokens ends: at most ``chunk`` tokens on, at a block
-        boundary unless at the prompt's end, and at the last boundary before the prompt's last token (where the
-        prefix cache keeps a snapshot: the one a resent or continued conversation resumes from)."""
+        boundary unless at the prompt's end, and, with the prefix cache, at the last boundary before the prompt's
+        last token (where the cache keeps a snapshot: the one a resent prompt resumes from; a chunk more), unless
+        the prompt resumed from a finished request's row (``done`` not on a boundary: a conversation's next turn,
+        which its own reply's row continues)."""
         block, end = self.prefix_block, min(done + self.chunk, len(prompt))
         resend = (len(prompt) - 1) // block * block
-        if done < resend < end:
+        if self.store is not None and done % block == 0 and done < resend < end:
             return resend
         return end if end == len(prompt) else end // block * block
 
