@@ -276,10 +276,11 @@ class Engine:
         say = progress or (lambda message: None)
         prefill, programs = self._prefill_programs(), self.schedule.programs()
         total = len(prefill) + len(programs)
-        # every row committed to its device, as each step's output is: a step compiled for these is the one run
-        self.state = jax.device_put(self.state, jax.tree.map(lambda x: x.sharding, self.state))
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                                             weak_type=getattr(x, "weak_type", False)), self.state)
+        # the state as a step will see it (a step's output is committed to its devices when any input is), so that
+        # the program compiled here is the one run: the same shapes, and the same placement
+        committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((self.params, self.state)))
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False),
+                                                             sharding=x.sharding if committed else None), self.state)
 
         def compile_step(rows: int, option: Option) -> None:  # (a bound jitted method's .lower drops its self)
             SpeculativeLoop.step_rows.lower(self._loops[option], self.params, shapes, rows).compile()
