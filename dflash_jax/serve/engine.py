@@ -91,8 +91,8 @@ class Job:
     done: int = 0  # prompt tokens prefilled so far (cached ones included)
     row: Prefix | None = None  # the prompt's one-row prefill while it is prefilled in chunks
     reply: list[int] = dataclasses.field(default_factory=list)  # the tokens handed to emit so far
-    checkpoint: tuple | None = None  # (tokens processed, boundary snapshot) of its row before a step that may end
-    # it by max_tokens: what the prefix cache keeps when that step's row has processed tokens past its end
+    checkpoint: tuple | None = None  # (tokens processed, boundary snapshot) of its row before a step that can take
+    # it past max_tokens: what the prefix cache keeps when that step's row has processed tokens past its end
     marks: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # per step: (tokens out, steps,
     # accepted drafts) of its row, cumulative: which steps and drafts the first n tokens took (``figures``)
 
@@ -483,9 +483,6 @@ class Engine:
             if new:
                 job.emit(new, None)
             if reason is None:
-                if self._replies and job.max_tokens - job.sent <= block:  # the next step may end it
-                    job.checkpoint = (len(job.prompt) + out - 1,
-                                      prefix_store.snapshot(self._layout, self._rows(), slot))
                 continue
             if self._replies and reason != "nonfinite":
                 self._keep_reply(job, slot, out)
@@ -504,6 +501,7 @@ class Engine:
                 held = max([*self._active, *(job.slot for job in self._prefilling)]) + 1
                 factors = [self.schedule.row_factor(*self._own[slot]) for slot in self._active]
                 rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held, factors)
+            self._checkpoint(self._last.block)
             self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
             with self._cond:
                 self.schedule.timed(rows, self._last, time.perf_counter() - served)
@@ -530,6 +528,18 @@ class Engine:
             logits = jax.eval_shape(lambda: self.loop.empty(self.params, 1)).logits
             self._no_logits = jnp.zeros((self.slots,) + logits.shape[1:], logits.dtype)
         return prefix_store.of_state(self.state, self._no_logits)
+
+    def _checkpoint(self, block: int) -> None:
+        """Before a step of ``block`` (the most tokens it emits per row), copies the boundary of each running row it
+        can take past its request's ``max_tokens`` (more than the tokens left + 1: its target would process tokens
+        the client never gets) into ``Job.checkpoint``, for ``_keep_reply``. A running request has been handed
+        every token its row emitted."""
+        if not self._replies:
+            return
+        for slot, job in self._active.items():
+            if job.max_tokens - job.sent + 1 < block:
+                job.checkpoint = (len(job.prompt) + job.sent - 1,
+                                  prefix_store.snapshot(self._layout, self._rows(), slot))
 
     def _keep_reply(self, job: Job, slot: int, out: int) -> None:
         """Stores the row of ``job`` (ended, its slot not yet reused; ``out`` tokens emitted by its row) in the
