@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import heapq
 import logging
 import os
@@ -179,6 +180,7 @@ class Engine:
         self._layout = prefix_store.Layout.of(loop, params) if self.store else None
         self._replies = self.store is not None and prefix_store.keeps_replies(loop)  # finished rows kept too
         self._no_logits = None  # [slots, V] zeros: the logits of ``_rows`` (made once)
+        self._ahead: dict[int, concurrent.futures.Future] = {}  # prompt chunk width -> its compile (warm-up)
         self._prefilling: collections.deque[Job] = collections.deque()  # admitted (a slot held), prefilling
         spec = loop.spec
         options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
@@ -268,9 +270,10 @@ class Engine:
                costs: tuple[dict[tuple[int, Option], float], float] | None = None) -> None:
         """Compiles every program serving runs (prefill per bucket, insert, a step per rows bucket and option, the
         host copies), so that no request waits for a compilation, and times each step for ``schedule``'s cost
-        table (each step's own time, plus the host copy every step waits for); the slots stay free. The step
-        programs compile on a pool of threads, one per core, while this thread compiles the prefill programs (XLA
-        compiles one program on one core). ``costs``: (the table, the host copy's seconds) an earlier start of
+        table (each step's own time, plus the host copy every step waits for); the slots stay free. The prompt
+        chunk and step programs compile on a pool of threads, one per core (XLA compiles one program on one core),
+        while this thread runs the prefill programs in turn. ``costs``: (the table, the host copy's seconds) an
+        earlier start of
         this configuration measured (``cost_cache``), used instead of timing the steps again.
         ``progress(message)`` hears of each program as it compiles."""
         say = progress or (lambda message: None)
@@ -279,14 +282,20 @@ class Engine:
         # the state as a step will see it (a step's output is committed to its devices when any input is), so that
         # the program compiled here is the one run: the same shapes, and the same placement
         committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((self.params, self.state)))
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False),
-                                                             sharding=x.sharding if committed else None), self.state)
+        shapes = functools.partial(jax.tree.map, lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, weak_type=getattr(x, "weak_type", False), sharding=x.sharding if committed else None))
+        state, row = shapes(self.state), shapes(self.loop.empty(self.params, 1))
 
-        def compile_step(rows: int, option: Option) -> None:  # (a bound jitted method's .lower drops its self)
-            SpeculativeLoop.step_rows.lower(self._loops[option], self.params, shapes, rows).compile()
+        # (a bound jitted method's .lower drops its self)
+        def compile_chunk(width: int) -> None:  # a chunk continues a row of the empty row's shapes
+            SpeculativeLoop.extend.lower(self.loop, self.params, row, *self._chunk([0] * width)).compile()
 
-        pool = concurrent.futures.ThreadPoolExecutor(min(len(programs), _cores()), "dflash-jax-compile")
+        def compile_step(rows: int, option: Option) -> None:
+            SpeculativeLoop.step_rows.lower(self._loops[option], self.params, state, rows).compile()
+
+        pool = concurrent.futures.ThreadPoolExecutor(_cores(), "dflash-jax-compile")
         try:
+            self._ahead = {w: pool.submit(compile_chunk, w) for w in self.buckets()[::-1]}  # the longest first
             steps = {p: pool.submit(compile_step, *p) for p in programs}
             for k, (what, run) in enumerate(prefill, 1):
                 say(f"program {k} of {total}: {what}")
@@ -297,6 +306,7 @@ class Engine:
                 steps[rows, option].result()
                 self._time_step((rows, option))
         finally:
+            self._ahead = {}
             pool.shutdown(wait=False, cancel_futures=True)  # after an error: the compiles not begun are dropped
         parallel.host(self._snapshot())  # the host copy after each step, compiled whether or not steps are timed
         if costs is None:
@@ -316,6 +326,8 @@ class Engine:
         held, store, layout = {}, prefix_store, self._layout
 
         def chunk(width):
+            if width in self._ahead:
+                self._ahead[width].result()  # compiled on the warm-up's pool: run it, do not compile it twice
             held["row"] = self.loop.extend(self.params, held["row"], *self._chunk([0] * width))
 
         def first():
