@@ -543,6 +543,20 @@ class SpeculativeLoop:
         return self.output(state), state
 
     @_phase(donate_argnames="state")
+    def move(self, state: LoopState, src, dst) -> LoopState:
+        """Row ``src`` of ``state`` copied into row ``dst`` (int32 scalars; ``state`` donated): how a server moves a
+        running request into a lower free slot, so that its steps run over a smaller rows bucket (``step_rows``).
+        Rows are the arrays whose leading dimension is the batch, as in ``step_rows``; row ``src`` is left as it was."""
+        B = state.anchor.shape[0]
+
+        def put(x):
+            if x.ndim and x.shape[0] == B:
+                return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, src, 1, 0), dst, axis=0)
+            return x
+
+        return self._pin(jax.tree.map(put, state))
+
+    @_phase(donate_argnames="state")
     def insert(self, state: LoopState, row: LoopState, slot) -> LoopState:
         """``row`` (a one-row ``init`` state of this loop, with its ``capacity``) written into row ``slot`` of
         ``state``, which is donated: how a server starts a request in a free slot between steps. Every array

@@ -181,6 +181,7 @@ class Engine:
         self._replies = self.store is not None and prefix_store.keeps_replies(loop)  # finished rows kept too
         self._no_logits = None  # [slots, V] zeros: the logits of ``_rows`` (made once)
         self._ahead: dict[int, concurrent.futures.Future] = {}  # prompt chunk width -> its compile (warm-up)
+        self.moves = 0  # running rows moved into lower slots (``_compact``)
         self._prefilling: collections.deque[Job] = collections.deque()  # admitted (a slot held), prefilling
         spec = loop.spec
         options = tuple(options or (Option(spec.block_size, spec.tree_budget),))
@@ -199,9 +200,6 @@ class Engine:
         self._last: Option | None = None  # the option of the last step (whose acceptance the next snapshot shows)
         self.state = self._empty_state()
         self._seen = None  # [slots, block] the histograms of accepted drafts already observed
-        self._own = np.zeros((slots, 2))  # per slot: steps of the longest chain its request ran, drafts it accepted
-        self._owner: list[Job | None] = [None] * slots  # ... which request that is
-        self._longest = max((o for o in options if o.budget is None), default=None)
 
     @staticmethod
     def capacity(max_model_len: int, width: int) -> int:
@@ -347,7 +345,9 @@ class Engine:
                                                                                            held["boundary"])))]
         programs += [("the first token", first),
                      ("a request into a slot", lambda: setattr(self, "state", self.loop.insert(
-                         self.state, held.pop("state"), jnp.asarray(0, jnp.int32))))]
+                         self.state, held.pop("state"), jnp.asarray(0, jnp.int32)))),
+                     ("a running row into a lower slot", lambda: setattr(self, "state", self.loop.move(
+                         self.state, jnp.asarray(0, jnp.int32), jnp.asarray(0, jnp.int32))))]
         if self._replies:
             programs += [("prefix cache: a finished row copied", lambda: (
                 store.cut(layout, self._rows(), 0, size=self.prefix_block, row=0),
@@ -505,14 +505,14 @@ class Engine:
                 self._finish(job, Finish(reason, job.sent, *job.figures(job.sent), job.cached))
         if done.any():
             self.state = self._free_rows(self.state, done)
+            self._compact()
         if self._active:
             with self._cond:  # /stats reads the schedule from another thread
                 sampled = any(not job.sampling.greedy for job in self._active.values())
                 left = [job.max_tokens - job.sent for job in self._active.values()]
                 waiting = [job.max_tokens for job in self._prefilling]  # they join soon: the option is theirs too
                 held = max([*self._active, *(job.slot for job in self._prefilling)]) + 1
-                factors = [self.schedule.row_factor(*self._own[slot]) for slot in self._active]
-                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held, factors)
+                rows, self._last = self.schedule.choose(max(self._active) + 1, left, sampled, waiting, held)
             self._checkpoint(self._last.block)
             self.state = jax.block_until_ready(self._loops[self._last].step_rows(self.params, self.state, rows))
             with self._cond:
@@ -601,19 +601,33 @@ class Engine:
                 with self._cond:
                     self._active[job.slot] = job
 
+    def _compact(self) -> None:
+        """Moves the highest running row into the lowest free slot while that lets the steps run over a smaller rows
+        bucket (``schedule.bucket``): a request that outlives those below it no longer holds its burst's bucket.
+        The row (``loop.move``) and what the engine keeps of its slot (its request, its last histogram) go
+        together; the old slot is freed."""
+        while self._active and self._free and self._free[0] < max(self._active):
+            src = max(self._active)
+            if self.schedule.bucket(src + 1) == self.schedule.bucket(len(self._active)):
+                return
+            with self._cond:
+                dst = heapq.heappop(self._free)
+                job = self._active.pop(src)
+                job.slot, self._active[dst] = dst, job
+                heapq.heappush(self._free, src)
+            self.state = self.loop.move(self.state, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+            self.state = self._free_rows(self.state, np.arange(self.slots) == src)
+            if self._seen is not None:
+                self._seen[dst] = self._seen[src]
+            self.moves += 1
+
     def _observe(self, accepted: np.ndarray) -> None:
         """Tells ``schedule`` what the last step accepted: each row's histogram [slots, block] less what was
-        seen before (a row inserted since starts from zero); and counts each request's own acceptance in the steps
-        of the longest chain (``schedule.row_factor``)."""
+        seen before (a row inserted since starts from zero)."""
         delta = accepted - (0 if self._seen is None else self._seen)
         fresh = (delta < 0).any(-1)
         delta[fresh] = accepted[fresh]
         self._seen = accepted.astype(np.int64)
-        for slot, job in self._active.items():
-            if self._owner[slot] is not job:
-                self._owner[slot], self._own[slot] = job, 0.0
-        if self._last is not None and self._last == self._longest:
-            self._own += np.stack([delta.sum(-1), delta @ np.arange(delta.shape[-1])], -1)
         if self._last is not None:
             with self._cond:
                 self.schedule.observe(self._last, delta.sum(0))

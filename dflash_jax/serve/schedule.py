@@ -53,7 +53,6 @@ ROUNDS = 3  # timed steps per program at warm-up (interleaved); a program's cost
 DECAY = 0.97  # the weight of older evidence, per step that brings new evidence of the same kind
 EXPLORE_SHARE = 0.02  # exploring the other options loses at most this share of the steps' time (each)
 PRIOR_STEPS = 1.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
-ROW_PRIOR = 2.0  # pseudo-steps at the server's acceptance behind each request's own (``row_factor``)
 MIN_EVIDENCE = 16.0  # row-steps of evidence an informative option gathers before its estimate is trusted
 RECENT = 64  # choices /stats keeps
 COST_WEIGHT = 0.2  # the weight of each served step in its program's served / warm-up ratio (and the overall one)
@@ -153,10 +152,9 @@ class Schedule:
         """a_k, k = 1 .. depth: the chance draft k is accepted once drafts 1 .. k-1 were (prior included)."""
         return self._passed / self._reach
 
-    def expected(self, option: Option, left: int | None = None, factor: float = 1.0) -> float:
+    def expected(self, option: Option, left: int | None = None) -> float:
         """E[tokens per row per step] of ``option`` from the evidence so far, for a row that may emit at most
-        ``left`` more (a step at block b emits min(T_b, left): T at block min(b, left)) and accepts ``factor`` times
-        the drafts the server's rows do (``row_factor``)."""
+        ``left`` more (a step at block b emits min(T_b, left): T at block min(b, left))."""
         if option.budget is None:
             most = min(option.block, left or option.block)
             mean = blocksize.expected_tokens(self.acceptance(), most)
@@ -164,15 +162,7 @@ class Schedule:
             steps, drafts = self._trees[option]
             mean = 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
             most = left or math.inf
-        return min(1.0 + (mean - 1.0) * factor, most)
-
-    def row_factor(self, steps: float, drafts: float) -> float:
-        """How one request's acceptance compares with the server's: the drafts it accepted in ``steps`` steps of the
-        longest chain over what the server's rows accept, with ``ROW_PRIOR`` pseudo-steps at the server's (1: a new
-        request). A burst ends with the requests the drafter predicts worst, which a speculative step suits least."""
-        chains = [o for o in self.options if o.budget is None and o.block > 1]
-        mean = self.expected(max(chains)) - 1.0 if chains else 0.0
-        return (drafts + ROW_PRIOR * mean) / ((steps + ROW_PRIOR) * mean) if mean > 0 else 1.0
+        return min(mean, most)
 
     def _informs(self, option: Option) -> bool:
         """Whether running ``option`` brings evidence ``choose`` needs: the longest chain (every position) or a
@@ -185,16 +175,14 @@ class Schedule:
         return self._seen if option.budget is None else self._trees[option][0]
 
     def choose(self, top: int, left: Sequence[int] | None = None, sampled: bool = False, waiting: Sequence[int] = (),
-               held: int = 0, factors: Sequence[float] | None = None) -> tuple[int, Option]:
+               held: int = 0) -> tuple[int, Option]:
         """(rows bucket, option) of the next step when slots 0 .. top - 1 hold every running row; ``left``: the
         tokens each running row may still emit (None: unbounded), so a block is not paid for where a request ends
         inside it; ``waiting``: the same for each request being prefilled, ``held`` the highest slot any request
         holds + 1 (while any is, a step is judged against what all of them would emit in its time: the module doc).
         ``sampled``: some row samples (temperature > 0): the step runs the largest option, the method as given, so
-        that a seeded request reproduces itself whatever the load (the module doc). ``factors``: each running row's
-        ``row_factor`` (None: 1 each)."""
+        that a seeded request reproduces itself whatever the load (the module doc)."""
         left = [None] if left is None else list(left)
-        factors = [1.0] * len(left) if factors is None else list(factors)
 
         def cheapest(rows):  # {option: (its cheapest bucket holding ``rows`` rows, its cost there)}
             fits = [r for r in self.rows if r >= rows]
@@ -206,8 +194,7 @@ class Schedule:
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
             rows = self.bucket(top)
         else:
-            tokens = {o: sum(self.expected(o, n, f) for n, f in zip(left, factors, strict=True))
-                      for o in self.options}  # this step's, all its rows
+            tokens = {o: sum(self.expected(o, n) for n in left) for o in self.options}  # this step's, all its rows
             if waiting:  # they join after a set number of iterations, whatever the steps: the step that costs the
                 # load least, its tokens less what every held request would have emitted in its time at the best rate
                 full = max((tokens[o] + sum(self.expected(o, n) for n in waiting)) / c for o, (_, c) in load.items())

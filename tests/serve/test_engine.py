@@ -1,6 +1,7 @@
 """The continuous-batching engine on the shipped pair, without HTTP: lossless against ``generate`` on each prompt
 alone while requests arrive at different times and share the slots, seeded sampling reproducible, nothing
-compiled once warm, a bounded queue. Prompts are prefilled in chunks of 16 tokens and through the prefix cache
+compiled once warm, a bounded queue, requests moved into lower slots (rows buckets 2 and 8) exactly. Prompts are
+prefilled in chunks of 16 tokens and through the prefix cache
 (its hits exact: ``test_prefix_hits_resume_target_gdn_and_drafter_exactly``; every method and chunk 64:
 ``test_prefix_cache.py``)."""
 
@@ -61,7 +62,7 @@ def _engine(pair, max_queue=REQUESTS, keep=1024):
     target, proposer, pparams = pair
     loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
     return Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=max_queue, keep=keep,
-                  prefix_cache_bytes=CACHE_BYTES, max_num_batched_tokens=CHUNK, prefix_block=16)
+                  prefix_cache_bytes=CACHE_BYTES, max_num_batched_tokens=CHUNK, prefix_block=16, rows=(2, SLOTS))
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +116,7 @@ def test_greedy_under_load_equals_generate_alone_and_compiles_nothing(engine, pa
     finally:
         _compiles["on"] = False
     assert _compiles["n"] == 0, f"{_compiles['n']} compilations while requests came and went"
+    assert engine.moves > 0  # requests that outlived those below them moved down (the 2-row bucket): exact too
     for prompt, budget, (tokens, finish) in zip(prompts, budgets, served, strict=True):
         alone = generate(target, [prompt], drafter=(proposer, pparams), block_size=BLOCK,
                          max_new_tokens=MAX_LEN - 1, stop_ids=(0,))

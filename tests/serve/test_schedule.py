@@ -122,20 +122,6 @@ def test_while_requests_are_prefilled_a_step_is_worth_its_tokens_less_the_held_l
     assert s.choose(16, left=[32] * 16) == (16, BIG)  # all joined: 80 / 4.0 beats 16 / 1.0
 
 
-def test_a_request_the_drafter_predicts_badly_is_weighed_by_its_own_acceptance():
-    """The server's rows accept 5 drafts a block-16 step; a request that accepted 4 in its 6 steps counts
-    (4 + 2 x 5) / ((6 + 2) x 5) = 0.35 of them: 1 + 5 x 0.35 = 2.75 tokens a step, so two such requests at the end
-    of a burst are served by plain decoding (2 / 0.5 beats 5.5 / 1.5), two typical ones by block 16 (12 / 1.5)."""
-    s = _schedule({4: {PLAIN: 0.5, BIG: 1.5}}, options=(PLAIN, BIG), rows=(4,))
-    _accepting(s, BIG, 5, 40)  # E[16] = 6
-    assert s.row_factor(0, 0) == 1.0 and s.row_factor(6, 4) == pytest.approx(0.35, abs=0.01)
-    assert s.expected(BIG, factor=0.35) == pytest.approx(2.75, abs=0.05)
-    assert s.expected(BIG, 2, factor=3.0) == 2  # never more than the row may emit
-    typical, poor = [s.row_factor(6, 30)] * 2, [s.row_factor(6, 4)] * 2
-    assert s.choose(2, left=[20, 20], factors=typical) == (4, BIG)
-    assert s.choose(2, left=[20, 20], factors=poor) == (4, PLAIN)
-
-
 def test_options_and_rows_buckets():
     assert schedule.default_rows(32) == (1, 4, 16, 32) and schedule.default_rows(1) == (1,)
     assert schedule.options_for(16, None) == (PLAIN, BIG)
