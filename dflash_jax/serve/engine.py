@@ -136,10 +136,10 @@ class Engine:
     Prompts are prefilled in chunks of at most ``max_num_batched_tokens`` (None: ``DEFAULT_BATCHED_TOKENS``)
     prompt tokens per engine iteration, between steps. ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
     prefix cache of that many bytes (blocks of ``prefix_block`` tokens, None: ``prefix.DEFAULT_BLOCK`` or the
-    largest power of two a chunk holds; snapshots where a chunk ends on a block
-    boundary, at the last boundary before a prompt's last token, and a finished request's row after its prompt and
-    reply (``_keep_reply``); ``decoding.prefix``): a request resumes from the deepest one its prompt matches
-    (``Finish.cached`` tokens) and prefills the rest.
+    largest power of two a chunk holds; snapshots where a chunk ends on a block boundary, at the last boundary
+    before a prompt's last token, and a finished request's row after its prompt and reply (``_keep_reply``);
+    ``decoding.prefix``): a request resumes from the deepest one its prompt matches (``Finish.cached`` tokens) and
+    prefills the rest. When a request ends, running rows move into lower free slots (``_compact``).
 
     Speculation by load (``schedule.py``): each step runs one of ``options`` (blocks or tree budgets, default:
     the loop's own; each a loop of the same capacity whose block and width are at most ``loop``'s, which lays out
@@ -271,8 +271,7 @@ class Engine:
         table (each step's own time, plus the host copy every step waits for); the slots stay free. The prompt
         chunk and step programs compile on a pool of threads, one per core (XLA compiles one program on one core),
         while this thread runs the prefill programs in turn. ``costs``: (the table, the host copy's seconds) an
-        earlier start of
-        this configuration measured (``cost_cache``), used instead of timing the steps again.
+        earlier start of this configuration measured (``cost_cache``), used instead of timing the steps again.
         ``progress(message)`` hears of each program as it compiles."""
         say = progress or (lambda message: None)
         prefill, programs = self._prefill_programs(), self.schedule.programs()

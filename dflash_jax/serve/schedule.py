@@ -156,13 +156,10 @@ class Schedule:
         """E[tokens per row per step] of ``option`` from the evidence so far, for a row that may emit at most
         ``left`` more (a step at block b emits min(T_b, left): T at block min(b, left))."""
         if option.budget is None:
-            most = min(option.block, left or option.block)
-            mean = blocksize.expected_tokens(self.acceptance(), most)
-        else:
-            steps, drafts = self._trees[option]
-            mean = 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
-            most = left or math.inf
-        return min(mean, most)
+            return blocksize.expected_tokens(self.acceptance(), min(option.block, left or option.block))
+        steps, drafts = self._trees[option]
+        mean = 1.0 + drafts / steps if steps else float(option.block)  # unseen: optimistic (explored at once)
+        return min(mean, left or mean)
 
     def _informs(self, option: Option) -> bool:
         """Whether running ``option`` brings evidence ``choose`` needs: the longest chain (every position) or a
