@@ -7,7 +7,7 @@ per-row arrays) to ``state_shardings`` after init and every step (``pin_state``)
 SPMD partitioner (GSPMD) splits the dense computation to match. A cache written and read inside one
 phase (the MTP head's, in propose's scan) is pinned where it is written (``constrain_cache``). The
 explicit ``shard_map``s are the routed MoE experts (``over_experts``) and the per-head Pallas kernels
-(``kernels/dispatch.per_head``, on this table's layout). Nothing here is specific to one device
+(``dflash_jax/kernels/dispatch.per_head``, on this table's layout). Nothing here is specific to one device
 count: without a mesh (or on a 1x1x1 one) the code is the single-device code.
 
 The mesh has three axes (``AXES``): ``data`` splits batch rows (data parallel), ``model`` splits
@@ -372,7 +372,7 @@ def over_experts(routed, x: jax.Array, experts, router) -> jax.Array:
         return jax.lax.psum(routed(x, nnx.merge(egraph, estate), nnx.merge(rgraph, rstate), first), axis)
 
     specs = (P(rows), jax.tree.map(lambda _: P(axis), estate), jax.tree.map(lambda _: P(), rstate))
-    # check_vma off: a Pallas kernel inside (kernels/moe.py) declares no per-axis variance of its output
+    # check_vma off: a Pallas kernel inside (dflash_jax/kernels/moe.py) declares no per-axis variance of its output
     return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(rows), check_vma=False)(x, estate, rstate)
 
 

@@ -31,7 +31,7 @@ except ImportError:  # torch-free tests still run; the oracle fixtures skip them
 # Tests compile many small programs; LLVM's expensive passes buy nothing at these sizes.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 
-# The commands' persistent compilation cache (``compile_cache.py``; its processes inherit this) is this run's own
+# The commands' persistent compilation cache (``io/compile_cache.py``; its processes inherit this) is this run's own
 # temporary folder, never the user's ~/.cache.
 if "DFLASH_JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import atexit

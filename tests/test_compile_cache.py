@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dflash_jax import compile_cache
+from dflash_jax.io import compile_cache
 
 
 @pytest.mark.parametrize("env, want", [

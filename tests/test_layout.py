@@ -13,28 +13,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dflash_jax"
-KERNELS = ROOT / "kernels"
 
 # Each layer may import only the layers before it (and itself); kernels is a leaf library anyone may use.
 # ``frontend`` (model folders, tokenizer, methods) sits above decoding/ and below everything that faces a user;
-# ``compile_cache`` (JAX's persistent cache, for the commands that compile) imports no other layer.
-LAYERS = ("config", "io", "parallel", "models", "decoding", "compile_cache", "frontend", "train", "perf", "serve",
+LAYERS = ("config", "io", "parallel", "models", "decoding", "frontend", "train", "perf", "serve",
           "cli")
 CORE = ("config", "io", "parallel", "models", "decoding")
 
 
 def _module_name(path: Path) -> str:
-    if path.is_relative_to(KERNELS):
-        rel = ("kernels", *path.relative_to(KERNELS).with_suffix("").parts)
-    else:
-        rel = path.relative_to(PACKAGE).with_suffix("").parts
-    parts = ["dflash_jax", *rel]
+    parts = ["dflash_jax", *path.relative_to(PACKAGE).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def _modules() -> dict[str, Path]:
-    files = [*PACKAGE.rglob("*.py"), *KERNELS.rglob("*.py")]
-    return {_module_name(p): p for p in files if "assets" not in p.parts}
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py") if "assets" not in p.parts}
 
 
 def _imports(path: Path, known: set[str]) -> set[str]:
@@ -90,7 +83,7 @@ def test_layers_point_one_way():
             dl = _layer(d)
             if layer == "kernels":
                 if dl != "kernels":
-                    bad.append(f"{m} imports {d}: kernels/ imports nothing from the rest of the package")
+                    bad.append(f"{m} imports {d}: dflash_jax/kernels/ imports nothing from the rest of the package")
             elif dl in ("kernels", "api") or layer == "api":
                 continue
             elif LAYERS.index(dl) > LAYERS.index(layer):

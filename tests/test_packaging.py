@@ -95,9 +95,8 @@ def _import_kernels_from_the_root(extra_path: list[Path]) -> subprocess.Complete
 
 
 def test_checkout_root_does_not_shadow_a_kernels_distribution(tmp_path):
-    """transformers imports Hugging Face's ``kernels``; the repository's top-level ``kernels/`` (installed as
-    ``dflash_jax.kernels``) must hand that name to the installed package, or every transformers oracle fails
-    when the tests run from the root."""
+    """transformers imports Hugging Face's ``kernels``; nothing in the checkout's root may take that name (the
+    kernels live in ``dflash_jax/kernels/``), or every transformers oracle fails when the tests run from the root."""
     other = tmp_path / "site" / "kernels"
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("from kernels.part import MARK\n")
@@ -108,8 +107,8 @@ def test_checkout_root_does_not_shadow_a_kernels_distribution(tmp_path):
 
 
 def test_checkout_root_kernels_is_not_importable_by_its_folder_name(tmp_path):
-    """Without such a distribution, ``import kernels`` from the root fails as if the folder were not there
-    (importing through ``sys.path`` entries other than the root, so an installed one is hidden here)."""
+    """Without such a distribution, ``import kernels`` from the root fails: the checkout has no top-level
+    ``kernels`` (installed ones are hidden here)."""
     code = ("import sys, os; root = os.getcwd(); sys.path[:] = [root] + [p for p in sys.path "
             "if p and 'site-packages' not in p and os.path.abspath(p) != root]\n"
             "try:\n    import kernels\nexcept ModuleNotFoundError as e:\n    print('missing', e.name)\n")
@@ -123,7 +122,7 @@ def test_no_module_imports_another_modules_private_name():
     import ast
 
     found = []
-    for path in sorted([*(ROOT / "dflash_jax").rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]):
+    for path in sorted((ROOT / "dflash_jax").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("dflash_jax", "kernels"):
                 found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.module}.{a.name}" for a in node.names

@@ -10,7 +10,7 @@ caches or logits, and, where the model axis divides the GDN key heads, for any a
 collective-permute of the GDN channels in the decode steps (``gdn_moves``); and that a checkpoint
 loaded onto a mesh equals the one loaded on one device.
 "pallas" cases run the Pallas kernels (interpreted on a CPU: ``pallas_mode``) on the mesh, each in
-``shard_map`` over its rows and heads (``kernels/dispatch.per_head``), against the same kernels on one
+``shard_map`` over its rows and heads (``dflash_jax/kernels/dispatch.per_head``), against the same kernels on one
 device; "kernels" cases do the same for each per-head kernel alone, on inputs in the table's layout,
 and check that the compiled program moves nothing. The fast set is two decode cases, one load and
 the kernels on two meshes (1x8: KV and key heads sliced per device; 2x2x2: both split); the full
@@ -293,7 +293,7 @@ def worker(cases: list[list], tmp: str) -> dict:
             results[name] = _load(kind, tuple(case[2]), Path(tmp))
         elif what == "kernels":
             results[name] = _kernels(tuple(case[2]))
-        else:  # "pallas": the Pallas kernels (interpreted on CPU), run per device (kernels/dispatch.py)
+        else:  # "pallas": the Pallas kernels (interpreted on CPU), run per device (dflash_jax/kernels/dispatch.py)
             results[name] = _generate(kind, case[2], tuple(case[3]), models, refs, hlo=what != "gen",
                                       kernels=MODE if what == "pallas" else "reference")
         print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)

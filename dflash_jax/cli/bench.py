@@ -12,11 +12,11 @@ import json
 import sys
 from pathlib import Path
 
-from dflash_jax import compile_cache, frontend, parallel
+from dflash_jax import frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.workloads import WORKLOADS, load_turns
-from dflash_jax.io import atomic
+from dflash_jax.io import atomic, compile_cache
 from dflash_jax.perf import peers, step_cost
 from dflash_jax.perf.bench import (
     AUTO,

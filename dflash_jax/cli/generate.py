@@ -19,13 +19,14 @@ from pathlib import Path
 
 import jax
 
-from dflash_jax import compile_cache, frontend
+from dflash_jax import frontend
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import read_target_config
 from dflash_jax.decoding import workloads
 from dflash_jax.decoding.api import PositionWarning, position_warning, stream
 from dflash_jax.decoding.sampling import SamplingConfig
 from dflash_jax.decoding.text import TextStream
+from dflash_jax.io import compile_cache
 from dflash_jax.perf import bench, step_cost
 
 SPEC_KEYS = ("method", "model", "num_speculative_tokens")

@@ -6,7 +6,7 @@ port in use is refused before anything loads), loads the target and proposer thr
 engine (``serve/engine.py``) over ``--max-num-seqs`` slots of ``--max-model-len`` tokens, which with
 ``--block-size auto`` (the default) chooses the block each step for the rows it runs (``serve/schedule.py``; a
 draft tree as given unless ``--auto-candidates`` names budgets), compiles and times its programs (kept across starts in
-``--compilation-cache-dir``: ``compile_cache.py``), saying what it does at each phase, and serves the app
+``--compilation-cache-dir``: ``io/compile_cache.py``), saying what it does at each phase, and serves the app
 (``serve/app.py``) with uvicorn (``serve/server.py``) on the bound socket until SIGINT or SIGTERM: then it stops
 taking connections, finishes the requests in flight, and exits. An engine that fails ends it with status 1.
 """
@@ -23,10 +23,11 @@ import time
 
 import jax
 
-from dflash_jax import compile_cache, frontend, parallel
+from dflash_jax import frontend, parallel
 from dflash_jax.cli import args as cli_args
 from dflash_jax.config import DrafterConfig, read_target_config
 from dflash_jax.decoding import prefix as prefix_store
+from dflash_jax.io import compile_cache
 from dflash_jax.serve import cost_cache
 from dflash_jax.serve.engine import DEFAULT_BATCHED_TOKENS
 

@@ -20,7 +20,7 @@ selector's walk chooses the drafts). Facts from z-lab's ``dflash`` 0.1.0 (``dfla
 
 Neither has a kernel: in a kernel mode other than "reference" (a Pallas or TPU mode, which the drafter's
 attention uses) both run this XLA form, and the log says so once per process (``_reference_fallback``, as the
-draft tree's attention does in ``kernels/attention.py``).
+draft tree's attention does in ``dflash_jax/kernels/attention.py``).
 """
 
 from __future__ import annotations

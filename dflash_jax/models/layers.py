@@ -58,7 +58,7 @@ _TPU_TREE_QUERIES = 256
 
 def attention(q, k_cache, v_cache, start, end, *, causal: bool, mode: str, window: int | None = None, tree=None):
     """``kernels.attention`` of q [B, T, N, H] over the caches' keys [start, end) per row -> [B, T, N, H]; in a
-    TPU mode the Mosaic kernel (``kernels/attention_tpu.py``) for T <= ``_TPU_QUERIES``. ``tree`` [B, T, T] bool
+    TPU mode the Mosaic kernel (``kernels.attention_tpu``) for T <= ``_TPU_QUERIES``. ``tree`` [B, T, T] bool
     (a draft tree's mask, ``cache.Tree.mask``) replaces the causal mask: the Mosaic kernel with the mask in a TPU
     mode (T <= ``_TPU_TREE_QUERIES``), else the XLA form (the Pallas GPU modes say so once in the log)."""
     limit = _TPU_QUERIES if tree is None else _TPU_TREE_QUERIES
@@ -97,7 +97,7 @@ def _normal(rngs: nnx.Rngs, shape, dtype, axes=None, std=0.02):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class MXFP4Weight:
-    """An MXFP4 weight (``kernels/mxfp4.py``'s format), the value a projection's parameter holds in place of the
+    """An MXFP4 weight (``kernels.mxfp4``'s format), the value a projection's parameter holds in place of the
     dense [..., out, in] array: e2m1 ``codes`` uint8 [..., out, in/2] (two per byte) and e8m0 ``scale`` uint8
     [..., out, in/32] (one per 32 inputs). Both split along the parameter's logical axes (a shard of whole heads
     is whole 32-input scale blocks). Checkpoint keys are Quark's: the codes at the parameter's key, the scales

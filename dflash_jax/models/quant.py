@@ -4,13 +4,13 @@ Where it sits: between ``layers.py`` and ``target.py``. A projection holds MXFP4
 parameter (a ``Linear``'s ``weight``, the MoE experts' fused ``gate_up_proj`` / ``down_proj``) holds a
 ``layers.MXFP4Weight`` in place of the dense array: this module swaps the parameter's value and nothing
 else, so the parameter keeps its logical axes (``parallel.param``) and the module its attributes; ``Linear``
-and ``Experts`` dispatch on the value's type and compute through ``kernels/mxfp4.py`` (the Pallas kernels on
+and ``Experts`` dispatch on the value's type and compute through ``dflash_jax/kernels/mxfp4.py`` (the Pallas kernels on
 a GPU, a dequantizing reference elsewhere). ``load_target`` asks this module which projections a checkpoint
 stores quantized (``quantize_modules`` on the abstract model) and converts between bf16 and MXFP4 at load
 time (``convert``); ``save_quark`` writes a quantized target back in Quark's layout. The drafter never comes
 here: it stays bf16.
 
-The format (``kernels/mxfp4.py``): e2m1 codes two per byte, the even-index element in the low nibble; one
+The format (``dflash_jax/kernels/mxfp4.py``): e2m1 codes two per byte, the even-index element in the low nibble; one
 e8m0 scale byte s per 32 consecutive inputs, value 2^(s - 127). Checkpoint keys (``checkpoint.tensor_keys``)
 are Quark's: ``<module>.weight`` uint8 codes [out, in/2] + ``<module>.weight_scale`` uint8 [out, in/32]; the
 fused MoE experts store ``experts.gate_up_proj`` [E, 2I, D/2] + ``experts.gate_up_proj_scale`` [E, 2I, D/32]

@@ -1,4 +1,4 @@
-"""The warm-up's step-cost table kept across starts, beside the compilation cache (``compile_cache.py``).
+"""The warm-up's step-cost table kept across starts, beside the compilation cache (``io/compile_cache.py``).
 
 ``dflash-jax serve`` times every step program at warm-up for speculation by load (``schedule.measure``: each
 (rows bucket, option) three times, plus the host copy). A second start of the same configuration on the same

@@ -526,7 +526,7 @@ def test_bench_gives_each_method_its_own_shipped_drafter(tmp_path, capsys, monke
 def test_generate_and_bench_keep_their_programs_in_the_compilation_cache(tmp_path, monkeypatch, command):
     """``--compilation-cache-dir`` (serve's flag, ``compile_cache``: its own tests show programs kept and loaded) on
     generate and bench, enabled with the folder given before anything compiles."""
-    from dflash_jax import compile_cache
+    from dflash_jax.io import compile_cache
 
     class Enabled(Exception):
         pass

@@ -1,4 +1,4 @@
-"""Tests of the Gated DeltaNet Pallas kernels (kernels/gdn.py) against their jnp references.
+"""Tests of the Gated DeltaNet Pallas kernels (dflash_jax/kernels/gdn.py) against their jnp references.
 
 Numerics run the kernels on small shapes, compiled on a GPU and interpreted on a CPU (``pallas_mode``);
 lowering for ROCm and CUDA runs at the real Qwen3.5 shapes of ``report_cases`` with abstract

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet verify as a Pallas TPU (Mosaic) kernel (kernels/gdn_tpu.py): numerics in interpret mode
+"""The Gated DeltaNet verify as a Pallas TPU (Mosaic) kernel (dflash_jax/kernels/gdn_tpu.py): numerics in interpret mode
 against the token-by-token recurrence (chain) and the XLA tree form, its HBM traffic from its block specs, and
 compiled by libtpu for a compile-only v5p chip at Qwen3.5-35B-A3B's verify shapes."""
 

@@ -21,10 +21,11 @@ import httpx
 import pytest
 from serve_fixtures import free_port
 
-from dflash_jax import compile_cache, frontend
+from dflash_jax import frontend
 from dflash_jax.cli import build_parser, main
 from dflash_jax.cli import serve as cli_serve
 from dflash_jax.decoding.sampling import SamplingConfig
+from dflash_jax.io import compile_cache
 from dflash_jax.serve.engine import Job
 
 START_TIMEOUT_S = 600  # import, load and first compiles on a busy 2-core machine

@@ -2,8 +2,8 @@
 
 Modes: ``"reference"`` (jnp, the oracle and the CPU path), ``"pallas"`` (the Triton-backend kernels, for ROCm
 and CUDA), ``"interpret"`` (those kernels run by the Pallas interpreter, for checking numerics on a CPU),
-``"tpu"`` (the TPU forms: Pallas TPU (Mosaic) kernels where an op has one, ``kernels/attention_tpu.py``,
-``moe.grouped_matmul_tpu`` and ``gdn.gdn_verify``'s ``kernels/gdn_tpu.py``, the XLA reference for the rest)
+``"tpu"`` (the TPU forms: Pallas TPU (Mosaic) kernels where an op has one, ``attention_tpu.py``,
+``moe.grouped_matmul_tpu`` and ``gdn.gdn_verify``'s ``gdn_tpu.py``, the XLA reference for the rest)
 and ``"tpu-interpret"`` (the same, the Mosaic kernels interpreted on a CPU). ``"auto"`` (or None) is
 ``default_mode()``: the platform's kernels.
 

@@ -23,7 +23,7 @@ Three entry points share these semantics:
   step), by the closed form above: one weighted sum, not a second pass of the recurrence.
 
 On TPU (kernel modes "tpu", "tpu-interpret") ``gdn_verify`` runs a Mosaic kernel of the closed form, chain or
-tree (``kernels/gdn_tpu.py``); replay and prefill run their XLA references there.
+tree (``gdn_tpu.py``); replay and prefill run their XLA references there.
 
 Pallas kernels (Triton backend; all math in f32, f32 dots at ``Precision.HIGHEST`` because the
 Triton default for f32 is TF32). Each program owns one (row b, value head h, Dv tile of
@@ -561,7 +561,7 @@ def gdn_verify(q, k, v, g, beta, state, *, impl=None, tree=None, tree_depth=None
     along its own root -> token path, a draft tree's verify. The Triton kernel walks a chain only, so a
     tree runs the XLA path in modes "pallas" and "interpret" (said once in the log). ``tree_depth`` (static): the
     deepest token's depth, when known (a draft tree's: block - 1), for the cheaper solve of ``_verify_block``.
-    The TPU modes run the Mosaic kernel (``kernels/gdn_tpu.py``), chain and tree alike, except when traced on a
+    The TPU modes run the Mosaic kernel (``gdn_tpu.py``), chain and tree alike, except when traced on a
     device mesh outside ``shard_map`` (the layer's ``parallel.per_head``): there the XLA path (said once).
     """
     mode = dispatch.resolve(impl)
