@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 
+from dflash_jax.cli import args as cli_args
 from dflash_jax.serve import measure
 
 
 def cmd_serve_prefix(args) -> int:
     if args.what == "reuse":
-        result = measure.reuse(args.method, args.conversations, chunk=args.chunk or 256)
+        result = measure.reuse(args.method, args.conversations, reply=args.reply_tokens, chunk=args.chunk or 256)
     elif args.what == "stall":
         result = measure.stall(chunk=args.chunk or 128)
     else:
@@ -26,7 +27,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve-prefix", description=measure.__doc__.split("\n")[0])
     p.add_argument("what", choices=("reuse", "stall", "memory"), help="which measurement")
     p.add_argument("--method", default="dflash:16", help="reuse and memory: the method served (shipped pair)")
-    p.add_argument("--conversations", type=int, default=8, help="reuse: conversations of 6 turns")
+    p.add_argument("--conversations", type=cli_args.positive, default=8, metavar="N",
+                   help="reuse: conversations of 6 turns")
+    p.add_argument("--reply-tokens", type=cli_args.positive, default=32, metavar="N",
+                   help="reuse: each assistant reply's tokens (greedy)")
     p.add_argument("--chunk", type=int, default=None,
                    help="prefill chunk (--max-num-batched-tokens); default 256 for reuse, 128 for stall")
     p.add_argument("--requests", type=int, default=1000, help="memory: distinct requests")

@@ -74,17 +74,23 @@ def _shipped(method_name):
     return method, target, *frontend.proposer_for(method, target, drafter)
 
 
-def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int = 32, max_len: int = 1024,
-          chunk: int = 256) -> dict:
+MESSAGE = 120  # reuse: a user message's tokens (a HumanEval prompt's first 120)
+
+
+def reuse(method_name: str, conversations: int = 8, turns: int = 6, reply: int = 32, chunk: int = 256) -> dict:
     """TTFT per turn with and without the prefix cache, interleaved: each turn goes to an engine with the cache
     (its reply, ``reply`` tokens, joins the conversation) and then, the same prompt, to one without (one token);
     medians over the conversations per turn, their ratio from the third turn on, the hit rate of the cached engine
     and the median tokens it resumed per turn (a turn resumes past the previous prompt when the previous reply's
     row was kept)."""
+    if reply < 1 or turns < 3 or conversations < 1:
+        raise ValueError(f"reuse: needs --reply-tokens >= 1 (got {reply}), 3 turns or more (got {turns}) and a "
+                         f"conversation (got {conversations})")
+    max_len = max(1024, 1 << (turns * (MESSAGE + reply)).bit_length())  # the last turn's prompt and reply fit
     method, target, proposer, pparams = _shipped(method_name)
     tok = frontend.load_tokenizer(frontend.ASSETS / "target")
     problems = [p["prompt"] for p in workloads.humaneval_rows()]
-    users = [[frontend.encode(tok, problems[(c * turns + t) % len(problems)])[:120] for t in range(turns)]
+    users = [[frontend.encode(tok, problems[(c * turns + t) % len(problems)])[:MESSAGE] for t in range(turns)]
              for c in range(conversations)]
     engines = {cached: _engine(target, proposer, pparams, method, max_len, cache_bytes=1 << 30 if cached else 0,
                                chunk=chunk) for cached in (True, False)}
