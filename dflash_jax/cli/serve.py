@@ -169,14 +169,14 @@ def _build(args, mesh, settings, say, cache_dir):
              args.max_num_seqs, max_len, jax.default_backend())
     if not args.no_warmup:
         stamp = cache_dir and cost_cache.fingerprint(_engine_flags(args), [d for d in (model_dir, draft_dir) if d])
-        costs = cost_cache.load(cache_dir, stamp, engine.schedule.programs()) if cache_dir else None
+        costs = cost_cache.load(cache_dir, stamp, engine.schedule.programs(), engine.buckets()) if cache_dir else None
         if costs is not None:
             log.info("step costs: as an earlier start of this configuration measured them (%s), not timed again",
                      cost_cache.path(cache_dir, stamp))
         say(f"warm-up: compiling prefill (buckets {engine.buckets()}), insert and step ...")
         engine.warmup(progress=lambda note: say(f"warm-up: {note}"), costs=costs)
         if cache_dir and costs is None:
-            cost_cache.save(cache_dir, stamp, (engine.schedule.costs, engine.schedule.copy))
+            cost_cache.save(cache_dir, stamp, (engine.schedule.costs, engine.schedule.copy, engine.chunk_costs))
     served = Served(engine=engine, tokenizer=tokenizer, model_name=model_name(args), eos_ids=tuple(cfg.eos_token_ids),
                     speculative=method.block > 1)
     return served, create_app(served)
@@ -344,9 +344,12 @@ def add_parser(sub) -> None:
                    metavar="SIZE", help="the prefix cache's bound: bytes (an integer, with K, M, G or T for powers of "
                    "1024) or a fraction of the device's memory (of the host's on a CPU), e.g. 0.1; the least recently "
                    "used prefixes go first (default: 1G)")
-    s.add_argument("--max-num-batched-tokens", type=int, metavar="N", help="prefill a prompt in chunks of at most N "
-                   "tokens, between the running requests' steps (vLLM's flag; default: "
-                   f"{DEFAULT_BATCHED_TOKENS})")
+    s.add_argument("--max-num-batched-tokens", type=_block_size_flag, default=None, metavar="{auto,N}",
+                   help="prefill a prompt in chunks of at most N tokens per engine iteration, between the running "
+                   "requests' steps (vLLM's flag); auto (the default): while requests run, the widest chunk (16, 32, "
+                   "64, ...) whose cost timed at warm-up is at most the step after it, so a stream waits about two "
+                   f"steps while a prompt prefills; {DEFAULT_BATCHED_TOKENS} tokens while none runs (/stats' "
+                   '"prefill")')
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--dtype", choices=tuple(frontend.DTYPES), default=None,

@@ -15,7 +15,7 @@ def cmd_serve_prefix(args) -> int:
     if args.what == "reuse":
         result = measure.reuse(args.method, args.conversations, reply=args.reply_tokens, chunk=args.chunk or 256)
     elif args.what == "stall":
-        result = measure.stall(chunk=args.chunk or 128)
+        result = measure.stall(chunk=args.chunk)
     else:
         result = measure.memory(args.method, args.requests)
     print(json.dumps(result), flush=True)
@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--reply-tokens", type=cli_args.positive, default=32, metavar="N",
                    help="reuse: each assistant reply's tokens (greedy)")
     p.add_argument("--chunk", type=int, default=None,
-                   help="prefill chunk (--max-num-batched-tokens); default 256 for reuse, 128 for stall")
+                   help="prefill chunk (--max-num-batched-tokens N); default 256 for reuse, the server's (auto: "
+                   "sized by the steps' cost) for stall")
     p.add_argument("--requests", type=int, default=1000, help="memory: distinct requests")
     p.set_defaults(func=cmd_serve_prefix)
 

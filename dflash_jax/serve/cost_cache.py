@@ -1,7 +1,8 @@
 """The warm-up's step-cost table kept across starts, beside the compilation cache (``io/compile_cache.py``).
 
 ``dflash-jax serve`` times every step program at warm-up for speculation by load (``schedule.measure``: each
-(rows bucket, option) three times, plus the host copy). A second start of the same configuration on the same
+(rows bucket, option) three times, plus the host copy) and every prompt chunk width, interleaved with them, for
+the chunks' size while requests run (``Engine._budget``). A second start of the same configuration on the same
 machine would measure the same table, so the first writes it to a file in ``--compilation-cache-dir`` and the
 second loads it instead of timing the steps; the served steps then move it toward their own times as always
 (``Schedule.timed``). The file is named by a digest of its ``fingerprint``: the start's configuration (the
@@ -28,7 +29,8 @@ from dflash_jax.serve.schedule import Option
 
 log = logging.getLogger("dflash_jax.serve")
 
-Table = tuple[dict[tuple[int, Option], float], float]  # (seconds per step by (rows, option), the host copy's)
+Table = tuple[dict[tuple[int, Option], float], float, dict[int, float]]
+# (seconds per step by (rows, option), the host copy's, seconds per prompt chunk by width)
 
 
 def _files(folder: Path, pattern: str = "*") -> list[list]:
@@ -64,10 +66,11 @@ def path(folder: str | os.PathLike, fingerprint: Mapping) -> Path:
 def save(folder: str | os.PathLike, fingerprint: Mapping, table: Table) -> Path | None:
     """Writes ``table`` for ``fingerprint`` into ``folder`` (atomically); returns its file, or None (logged) where
     it cannot be written: the start goes on."""
-    costs, copy = table
+    costs, copy, chunks = table
     file = path(folder, fingerprint)
     text = json.dumps(dict(fingerprint=fingerprint, copy=copy,
-                           costs=[[r, o.block, o.budget, c] for (r, o), c in costs.items()]), indent=1)
+                           costs=[[r, o.block, o.budget, c] for (r, o), c in costs.items()],
+                           chunks=[[w, c] for w, c in chunks.items()]), indent=1)
     try:
         atomic.write_text(file, text)
     except OSError as e:
@@ -76,23 +79,26 @@ def save(folder: str | os.PathLike, fingerprint: Mapping, table: Table) -> Path 
     return file
 
 
-def load(folder: str | os.PathLike, fingerprint: Mapping, programs: Iterable[tuple[int, Option]]) -> Table | None:
+def load(folder: str | os.PathLike, fingerprint: Mapping, programs: Iterable[tuple[int, Option]],
+         widths: Iterable[int]) -> Table | None:
     """The table an earlier start of ``fingerprint`` wrote into ``folder``, if it holds a positive, finite cost for
-    exactly ``programs`` ((rows, option) pairs); else None (a file that exists but does not fit: logged)."""
+    exactly ``programs`` ((rows, option) pairs) and the prompt chunks of ``widths``; else None (a file that exists
+    but does not fit, one written before chunks were timed included: logged)."""
     file = path(folder, fingerprint)
     if not file.exists():
         return None
     try:
         data = json.loads(file.read_text())
         costs = {(int(r), Option(int(b), None if t is None else int(t))): float(c) for r, b, t, c in data["costs"]}
+        chunks = {int(w): float(c) for w, c in data["chunks"]}
         copy = float(data["copy"])
         if data["fingerprint"] != json.loads(json.dumps(fingerprint)):
             raise ValueError("it was measured for another configuration")
-        if set(costs) != set(programs):
+        if set(costs) != set(programs) or set(chunks) != set(widths):
             raise ValueError("its programs are not this start's")
-        if not all(math.isfinite(c) and c > 0 for c in costs.values()) or not 0 <= copy < math.inf:
+        if not all(math.isfinite(c) and c > 0 for c in [*costs.values(), *chunks.values()]) or not 0 <= copy < math.inf:
             raise ValueError("a cost is not a positive number")
     except (OSError, ValueError, TypeError, KeyError) as e:
         log.warning("ignoring the step costs in %s (%s); the steps are timed again", file, e)
         return None
-    return costs, copy
+    return costs, copy, chunks

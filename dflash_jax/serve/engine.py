@@ -3,8 +3,9 @@
 Sits between the HTTP front end (``app.py``) and the loop (``SpeculativeLoop``): it owns one decode state of
 ``slots`` rows and a bounded queue of requests, and drives them from one thread, JetStream's shape. A
 request takes a free slot and is prefilled alone, in chunks of at most ``max_num_batched_tokens`` tokens
-(``loop.extend`` on one row, each chunk padded to a power-of-two width) between the running slots' steps, so
-no stream waits for a whole prompt; with the prefix cache (``decoding.prefix.PrefixStore``) it resumes from
+(``loop.extend`` on one row, each chunk padded to a power-of-two width; by default, while requests run, the
+widest that costs at most a step) between the running slots' steps, so no stream waits for a whole prompt;
+with the prefix cache (``decoding.prefix.PrefixStore``) it resumes from
 the deepest stored snapshot of its prompt (the target's K/V and Gated DeltaNet states and the drafter's
 context) and its chunks are stored in turn. Its first token is chosen with its own sampling settings and seed
 (``loop.start``), it is inserted into its slot between steps (``loop.insert``), and every slot advances in
@@ -133,8 +134,9 @@ class Engine:
     of the last ``keep`` finished requests; ``start`` runs the engine's thread; ``close`` stops taking requests
     and, with ``drain``, finishes every accepted one first.
 
-    Prompts are prefilled in chunks of at most ``max_num_batched_tokens`` (None: ``DEFAULT_BATCHED_TOKENS``)
-    prompt tokens per engine iteration, between steps. ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
+    Prompts are prefilled in chunks of at most ``max_num_batched_tokens`` prompt tokens per engine iteration,
+    between steps; None (auto): ``DEFAULT_BATCHED_TOKENS`` while no request runs, else the widest chunk that costs
+    at most the step that follows (``_budget``). ``prefix_cache_bytes`` > 0 keeps prefilled prompts in a
     prefix cache of that many bytes (blocks of ``prefix_block`` tokens, None: ``prefix.DEFAULT_BLOCK`` or the
     largest power of two a chunk holds; snapshots where a chunk ends on a block boundary, at the last boundary
     before a prompt's last token, and a finished request's row after its prompt and reply (``_keep_reply``);
@@ -176,6 +178,10 @@ class Engine:
         if prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-size must be >= 0 bytes (0: no prefix cache), got {prefix_cache_bytes}")
         self.prefix_block, self.chunk = prefix_block, min(chunk, bucket_limit(max_model_len))
+        self.auto_chunks = max_num_batched_tokens is None  # chunks sized by the steps' cost while requests run
+        self.chunk_costs: dict[int, float] = {}  # seconds of a prompt chunk per width (``buckets``), at warm-up
+        self.chunk_budget = self.chunk  # prompt tokens the last iteration that prefilled could take (``_budget``)
+        self.budgets: collections.Counter = collections.Counter()  # iterations that prefilled, by their budget
         self.store = prefix_store.PrefixStore(prefix_block, prefix_cache_bytes) if prefix_cache_bytes else None
         self._layout = prefix_store.Layout.of(loop, params) if self.store else None
         self._replies = self.store is not None and prefix_store.keeps_replies(loop)  # finished rows kept too
@@ -218,21 +224,23 @@ class Engine:
             b *= 2
         return out + [self.chunk]
 
-    def _next_chunk(self, prompt: list[int], done: int) -> int:
-        """Where the chunk of ``prompt`` after its first ``done`` tokens ends: at most ``chunk`` tokens on, at a block
-        boundary unless at the prompt's end, and, with the prefix cache, at the last boundary before the prompt's
-        last token (where the cache keeps a snapshot: the one a resent prompt resumes from; a chunk more), unless
-        the prompt resumed from a finished request's row (``done`` not on a boundary: a conversation's next turn,
-        which its own reply's row continues)."""
-        block, end = self.prefix_block, min(done + self.chunk, len(prompt))
+    def _next_chunk(self, prompt: list[int], done: int, budget: int | None = None, cached: int = 0) -> int:
+        """Where the chunk of ``prompt`` after its first ``done`` tokens ends: at most ``budget`` (None: ``chunk``)
+        tokens on, at the last block boundary it reaches unless at the prompt's end (inside the block when it reaches
+        none: a budget below the block, the next chunk goes on from there), and, with the prefix cache, at the last
+        boundary before the prompt's last token (where the cache keeps a snapshot: the one a resent prompt resumes
+        from; a chunk more), unless the prompt resumed from a finished request's row (``cached`` not on a boundary:
+        a conversation's next turn, which its own reply's row continues) and has reached no boundary since."""
+        block, end = self.prefix_block, min(done + (budget or self.chunk), len(prompt))
         resend = (len(prompt) - 1) // block * block
-        if self.store is not None and done % block == 0 and done < resend < end:
+        reply = cached % block != 0 and done // block == cached // block
+        if self.store is not None and not reply and done < resend < end:
             return resend
-        return end if end == len(prompt) else end // block * block
+        return end if end == len(prompt) or end // block * block <= done else end // block * block
 
-    def _extend(self, row: Prefix, prompt: list[int], done: int) -> tuple[Prefix, int]:
-        """``row`` after the next chunk of ``prompt`` (``done`` tokens in), and the tokens done then."""
-        end = self._next_chunk(prompt, done)
+    def _extend(self, row: Prefix, prompt: list[int], done: int, end: int | None = None) -> tuple[Prefix, int]:
+        """``row`` after the chunk of ``prompt`` from ``done`` to ``end`` (None: ``_next_chunk``'s), and ``end``."""
+        end = self._next_chunk(prompt, done) if end is None else end
         return self.loop.extend(self.params, row, *self._chunk(prompt[done:end])), end
 
     def _chunk(self, tokens: list[int]) -> tuple[jax.Array, jax.Array]:
@@ -265,13 +273,15 @@ class Engine:
         return dataclasses.replace(state, finish=jnp.asarray(np.full(self.slots, FinishReason.STOP, np.int32)))
 
     def warmup(self, progress: Callable[[str], None] | None = None,
-               costs: tuple[dict[tuple[int, Option], float], float] | None = None) -> None:
+               costs: tuple[dict[tuple[int, Option], float], float, dict[int, float]] | None = None) -> None:
         """Compiles every program serving runs (prefill per bucket, insert, a step per rows bucket and option, the
         host copies), so that no request waits for a compilation, and times each step for ``schedule``'s cost
-        table (each step's own time, plus the host copy every step waits for); the slots stay free. The prompt
+        table (each step's own time, plus the host copy every step waits for) and each prompt chunk width for
+        ``_budget`` (interleaved with the steps); the slots stay free. The prompt
         chunk and step programs compile on a pool of threads, one per core (XLA compiles one program on one core),
-        while this thread runs the prefill programs in turn. ``costs``: (the table, the host copy's seconds) an
-        earlier start of this configuration measured (``cost_cache``), used instead of timing the steps again.
+        while this thread runs the prefill programs in turn. ``costs``: (the table, the host copy's seconds, the
+        chunks' seconds by width) an earlier start of this configuration measured (``cost_cache``), used instead of
+        timing them again.
         ``progress(message)`` hears of each program as it compiles."""
         say = progress or (lambda message: None)
         prefill, programs = self._prefill_programs(), self.schedule.programs()
@@ -307,14 +317,20 @@ class Engine:
             pool.shutdown(wait=False, cancel_futures=True)  # after an error: the compiles not begun are dropped
         parallel.host(self._snapshot())  # the host copy after each step, compiled whether or not steps are timed
         if costs is None:
-            say(f"timing {len(programs)} steps")
-            measured = schedule.measure(self._time_step, programs)
+            widths = self.buckets()
+            say(f"timing {len(programs)} steps and {len(widths)} prompt chunks")
+            measured = schedule.measure(lambda p: self._time_chunk(p) if isinstance(p, int) else self._time_step(p),
+                                        [*programs, *widths])
             copy = schedule.measure(lambda _: parallel.host(self._snapshot()), [None])[None]
-            costs = {p: c + copy for p, c in measured.items()}, copy
-        self.schedule.costs, self.schedule.copy = costs
+            costs = {p: measured[p] + copy for p in programs}, copy, {w: measured[w] for w in widths}
+        self.schedule.costs, self.schedule.copy, self.chunk_costs = costs
         log.info("speculation by load: step costs by rows bucket and option (1: plain decoding; ddtree:N: a draft "
                  "tree of N nodes), the host copy of %.2f ms included:\n%s", self.schedule.copy * 1e3,
                  self.schedule.table())
+        log.info("prompt chunks: %s; %s", ", ".join(f"{w} tokens {c * 1e3:.2f}ms" for w, c in self.chunk_costs.items()),
+                 "while requests run, each iteration prefills the widest that costs at most the step after it, else "
+                 f"{self.chunk} tokens (--max-num-batched-tokens auto)" if self.auto_chunks else
+                 f"up to {self.chunk} tokens per iteration (--max-num-batched-tokens {self.chunk})")
 
     def _prefill_programs(self) -> list[tuple[str, Callable[[], None]]]:
         """(what, run) of each program that admitting a request runs, in order (an empty row, a prompt chunk per
@@ -352,6 +368,11 @@ class Engine:
                 store.cut(layout, self._rows(), 0, size=self.prefix_block, row=0),
                 store.snapshot(layout, self._rows(), 0)))]
         return programs
+
+    def _time_chunk(self, width: int) -> None:
+        """A prompt chunk of ``width`` tokens from an empty row, waited for (a request's first chunk: its row is made
+        in the same iteration)."""
+        jax.block_until_ready(self.loop.extend(self.params, self.loop.empty(self.params, 1), *self._chunk([0] * width)))
 
     def _time_step(self, program: tuple[int, Option]) -> None:
         rows, option = program
@@ -393,7 +414,18 @@ class Engine:
                         waiting=len(self._pending), slots=self.slots, block_size=self.loop.spec.block_size,
                         tree_budget=self.loop.spec.tree_budget, drafts_per_step=self.drafts_per_step,
                         speculation=self.schedule.as_dict(), prefilling=len(self._prefilling),
-                        prefix_cache=self.prefix_cache_stats())
+                        prefill=self.prefill_stats(), prefix_cache=self.prefix_cache_stats())
+
+    def prefill_stats(self) -> dict:
+        """/stats' "prefill": how prompts are chunked (``max_num_batched_tokens``: "auto" or the number given, ``cap``:
+        the widest chunk), each chunk width's cost at warm-up and as served now (ms), the last iteration's budget
+        (``_budget``: prompt tokens it could prefill) and the iterations that prefilled by their budget."""
+        def ms(cost):
+            return {str(w): round(cost(c) * 1e3, 3) for w, c in self.chunk_costs.items()}
+
+        return dict(max_num_batched_tokens="auto" if self.auto_chunks else self.chunk, cap=self.chunk,
+                    chunk_ms=ms(lambda c: c), chunk_ms_served=ms(self.schedule.served), budget=self.chunk_budget,
+                    budgets={str(b): n for b, n in sorted(self.budgets.items())})
 
     def prefix_cache_stats(self) -> dict:
         """The prefix cache's counters (``PrefixStore.stats``; zeros when it is off)."""
@@ -570,11 +602,26 @@ class Engine:
         self.store.add(job.prompt + job.reply[:length - len(job.prompt)],
                        lambda b: prefix_store.cut(self._layout, rows, b * block, size=block, row=slot), boundary)
 
+    def _budget(self) -> int:
+        """Prompt tokens this iteration prefills: ``chunk``, or with auto chunks (``auto_chunks``), while any request
+        runs and the costs are known, the widest chunk width whose cost (at warm-up, as served now:
+        ``schedule.served``) is at most the step's that follows (the last step's program as served now,
+        ``schedule.cost``), and at least the narrowest width: a running stream then waits about two steps between
+        two of its tokens while a prompt prefills, not a step and a chunk of ``chunk`` tokens."""
+        current = self.schedule.current
+        step = self.schedule.cost(current["rows"], self._last) if current and self._last else None
+        if not (self.auto_chunks and self._active and self.chunk_costs and step is not None):
+            return self.chunk
+        widths = self.buckets()
+        return max((w for w in widths if self.schedule.served(self.chunk_costs[w]) <= step), default=widths[0])
+
     def _prefill_some(self) -> None:
-        """Prefills the admitted prompts' next chunks, oldest first, up to ``chunk`` tokens in all (so no running
-        stream waits for more than that between two steps); the prefix cache keeps each chunk that ends at a block
-        boundary. A prompt done gets its first token and joins the slots."""
-        budget, block = self.chunk, self.prefix_block
+        """Prefills the admitted prompts' next chunks, oldest first, up to ``_budget`` tokens in all (so no running
+        stream waits for more than that between two steps), and waits for them (the step after them is timed
+        alone: ``schedule.timed``); the prefix cache keeps each chunk that ends at a block boundary. A prompt done
+        gets its first token and joins the slots."""
+        budget = left = self._budget()
+        block = self.prefix_block
         while self._prefilling:
             job = self._prefilling[0]
             if job.cancelled:
@@ -583,11 +630,11 @@ class Engine:
                     heapq.heappush(self._free, job.slot)
                     self._finish(job, Finish("abort", 0, 0, 0, job.cached))
                 continue
-            size = self._next_chunk(job.prompt, job.done) - job.done
-            if size > budget:
-                return
-            budget -= size
-            job.row, job.done = self._extend(job.row, job.prompt, job.done)
+            end = self._next_chunk(job.prompt, job.done, budget, job.cached)
+            if end - job.done > left:
+                break
+            left -= end - job.done
+            job.row, job.done = self._extend(job.row, job.prompt, job.done, end)
             if self.store is not None and job.done % block == 0:
                 row = job.row
                 self.store.add(job.prompt[:job.done],
@@ -599,6 +646,11 @@ class Engine:
                 self.state = self.loop.insert(self.state, row, jnp.asarray(job.slot, jnp.int32))
                 with self._cond:
                     self._active[job.slot] = job
+        if left < budget:
+            with self._cond:  # /stats reads them from another thread
+                self.chunk_budget = budget
+                self.budgets[budget] += 1
+            jax.block_until_ready((self.state, [job.row for job in self._prefilling]))
 
     def _compact(self) -> None:
         """Moves the highest running row into the lowest free slot while that lets the steps run over a smaller rows

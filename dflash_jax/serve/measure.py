@@ -7,8 +7,9 @@ Sits on ``serve/engine.py`` (driven in process, no HTTP) and the shipped pair or
   alone by an engine with the prefix cache and then by one without: time to first token per turn, and the hit
   rate.
 - ``stall``: streams decoding while a long prompt arrives: the longest gap between their tokens over their median
-  gap, with prefill in chunks and in one piece (a random-weight ``regime`` miniature, big enough that the prompt's
-  prefill takes a good part of a second on a CPU).
+  gap, with prefill in chunks (as served by default: sized by the steps' cost; or of a given size) and in one
+  piece (a random-weight ``regime`` miniature, big enough that the prompt's prefill takes a good part of a second
+  on a CPU).
 - ``memory``: the process's resident memory while distinct prompts pass through a small store.
 
 ``dflash-jax report serve-prefix reuse --method dflash:16`` (and ``stall``, ``memory``; ``cli/serve_prefix.py``)
@@ -17,6 +18,7 @@ prints one JSON line.
 
 from __future__ import annotations
 
+import collections
 import random
 import statistics
 import threading
@@ -185,12 +187,13 @@ class _Timed:
         return attr if part is None else self._parts.timed(part, attr)
 
 
-def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chunk: int = 128) -> dict:
+def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chunk: int | None = None) -> dict:
     """The running streams' longest gap between tokens over their median gap while a ``prompt_len`` prompt
-    prefills, with chunks of ``chunk`` tokens and with the prompt in one piece, on an engine as served by default
-    (prefix cache on); the prompt's prefill time; the median gap while it prefills over the median gap; what the
-    longest gap was made of (``_Parts.within``) and each part's median while the prompt prefilled
-    (``_Parts.medians``)."""
+    prefills, with chunks of ``chunk`` tokens (None: as served by default, sized by the steps' cost) and with the
+    prompt in one piece, on an engine as served by default (prefix cache on); the prompt's prefill time; the median
+    gap while it prefills over the median gap; what the longest gap was made of (``_Parts.within``), each part's
+    median while the prompt prefilled (``_Parts.medians``), and the engine iterations that prefilled it by their
+    budget of prompt tokens with the chunks' warm-up costs (``Engine.prefill_stats``)."""
     import jax.numpy as jnp
 
     from dflash_jax.perf import regime, synthetic
@@ -208,6 +211,7 @@ def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chun
         runs = [_submit(engine, rng.integers(2, 4000, 16).tolist(), 400, times[s]) for s in range(streams)]
         while min(len(t) for t in times) < 20:
             time.sleep(0.01)
+        budgets = collections.Counter(engine.budgets)  # the streams' own prompts' iterations
         long_done, _, long_result = _submit(engine, rng.integers(2, 4000, prompt_len).tolist(), 1)
         assert long_done.wait(WAIT_S)
         for done, *_ in runs:
@@ -223,10 +227,14 @@ def stall(miniature: str = "37m", prompt_len: int = 2000, streams: int = 2, chun
                 if start <= b <= first + 0.5:
                     during.append((b - a) / medians[-1])
                     worst = max(worst, ((b - a) / medians[-1], a, b))
-        out[name] = dict(chunk=size, prefill_ttft_s=round(first - start, 3), max_gap_over_median=round(worst[0], 2),
+        prefill = engine.prefill_stats()
+        out[name] = dict(chunk=size or "auto", prefill_ttft_s=round(first - start, 3),
+                         max_gap_over_median=round(worst[0], 2),
                          median_gap_ms=round(statistics.median(medians) * 1e3, 1),
                          prefilling_gap_over_median=round(statistics.median(during), 2),
-                         longest_gap_ms=parts.within(*worst[1:]), prefill_median_ms=parts.medians(start, first))
+                         longest_gap_ms=parts.within(*worst[1:]), prefill_median_ms=parts.medians(start, first),
+                         budgets={str(b): n for b, n in sorted((engine.budgets - budgets).items())},
+                         chunk_ms=prefill["chunk_ms"], chunk_ms_served=prefill["chunk_ms_served"])
     return out
 
 

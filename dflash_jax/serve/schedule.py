@@ -144,6 +144,11 @@ class Schedule:
         key = (rows, option)
         return self.costs[key] * self._ratio.get(key, self._load) if key in self.costs else None
 
+    def served(self, seconds: float) -> float:
+        """``seconds`` of another program timed at warm-up (a prompt chunk), as served now: scaled as a step program
+        not served yet is (every served program's served / warm-up ratio)."""
+        return seconds * self._load
+
     def bucket(self, top: int) -> int:
         """The smallest rows bucket holding slots 0 .. top - 1."""
         return next(r for r in self.rows if r >= top)

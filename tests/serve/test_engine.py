@@ -3,7 +3,7 @@ alone while requests arrive at different times and share the slots, seeded sampl
 compiled once warm, a bounded queue, requests moved into lower slots (rows buckets 2 and 8) exactly. Prompts are
 prefilled in chunks of 16 tokens and through the prefix cache
 (its hits exact: ``test_prefix_hits_resume_target_gdn_and_drafter_exactly``; every method and chunk 64:
-``test_prefix_cache.py``)."""
+``test_prefix_cache.py``), and by default in chunks sized by the steps' cost while requests run (``auto``)."""
 
 import random
 import threading
@@ -218,3 +218,93 @@ def test_prefix_hits_resume_target_gdn_and_drafter_exactly(engine, pair):
     """``prefix_checks.check_prefix_hits`` on this engine (dflash:8, chunks of 16)."""
     target, proposer, pparams = pair
     check_prefix_hits(engine, target, (proposer, pparams), BLOCK)
+
+
+def _ask(engine, prompt, max_tokens, sampling=SamplingConfig(), seed=0):
+    """Submits a request (no stop ids); returns the dict its tokens and Finish ("finish") gather in."""
+    out = {"tokens": []}
+
+    def emit(tokens, finish):
+        out["tokens"] += tokens
+        if finish is not None:
+            out["finish"] = finish
+
+    engine.submit(Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, seed=seed, stop_ids=(), emit=emit))
+    return out
+
+
+def test_auto_chunks_are_sized_by_the_steps_while_requests_run_and_exact(pair, prompts):
+    """--max-num-batched-tokens auto, the engine's iterations driven one by one: while streams run, an iteration
+    prefills the widest chunk whose cost is at most the step's (here 16 tokens: the wider ones are made dear), below
+    the prefix cache's block of 32, so chunks end inside a block and the next goes on; with none running, chunks of
+    the cap (64). Greedy and seeded sampled requests, one resuming from a snapshot that such chunks stored, equal
+    ``generate`` alone."""
+    target, proposer, pparams = pair
+    loop = SpeculativeLoop.of(target, proposer, spec_for(BLOCK, MAX_LEN))
+    eng = Engine(loop, (target.params, pparams), slots=SLOTS, max_model_len=MAX_LEN, max_queue=8,
+                 prefix_cache_bytes=CACHE_BYTES, prefix_block=32, rows=(2, SLOTS))
+    eng.warmup()
+    assert eng.auto_chunks and eng.buckets() == [16, 32, 64] and all(eng.chunk_costs[w] > 0 for w in (16, 32, 64))
+    eng.chunk_costs = {16: 1e-9, 32: 1e3, 64: 1e3}  # 16 tokens cost less than any step; 32 or more, more
+    tok = frontend.load_tokenizer(frontend.ASSETS / "target")
+    texts = [p["prompt"] for p in read_problems().values()]
+    long, other = (frontend.encode(tok, t + t)[:48] for t in texts[40:42])
+    kw = dict(drafter=(proposer, pparams), block_size=BLOCK, stop_ids=())
+
+    def run(until):  # a prompt that stops moving fails here, not by hanging
+        for _ in range(100):
+            if until():
+                return
+            eng._iterate()
+        raise AssertionError("the engine's iterations made no progress")
+
+    firsts = [p[:8] for p in prompts if len(p) >= 8][:2]
+    streams = [_ask(eng, p, MAX_LEN - 8) for p in firsts]  # 7 steps at least: 8 tokens a step at most
+    run(lambda: len(eng._active) == 2)
+    assert eng.chunk_budget == 64  # none was running
+    eng.budgets.clear()
+    greedy = _ask(eng, long, 16)
+    prefilled = lambda: not eng._pending and not eng._prefilling  # noqa: E731
+    run(prefilled)  # chunks 0-16 (inside the block), 16-32 (a snapshot), 32-48
+    sampling = SamplingConfig(temperature=0.8)
+    sampled = _ask(eng, long[:44], 16, sampling, 1234)  # resumes from the snapshot at 32
+    run(prefilled)
+    assert all("finish" not in s for s in streams)  # the streams ran all along
+    assert eng.budgets == {16: 4}
+    run(lambda: all("finish" in r for r in (*streams, greedy, sampled)))
+    eng.budgets.clear()
+    alone = _ask(eng, other, 16)
+    run(lambda: "finish" in alone)
+    assert eng.budgets == {64: 1}  # one iteration: chunks 0-32 (the resent prompt's snapshot) and 32-48
+    for prompt, r in ((long, greedy), (other, alone)):
+        assert r["tokens"] == generate(target, [prompt], max_new_tokens=r["finish"].tokens, **kw).token_lists()[0]
+    assert sampled["finish"].cached == 32
+    assert sampled["tokens"] == generate(target, [long[:44]], max_new_tokens=16, sampling=sampling, rng=1234,
+                                         **kw).token_lists()[0]
+    eng.close()
+
+
+def test_a_chunk_budget_below_the_block_makes_progress_and_keeps_the_boundaries(engine):
+    """``_next_chunk`` under budgets of 16, 32 and 64 tokens with blocks of 16, 32 and 64: every chunk moves on, ends
+    at a block boundary when it reaches one (else inside its block, where the next goes on), and none passes the
+    last boundary before the prompt's last token (the resent prompt's snapshot), but a first chunk of a prompt that
+    resumed from a finished row off a boundary, in that row's block."""
+    rng = random.Random(0)
+    kept = engine.prefix_block
+    try:
+        for block in (16, 32, 64):
+            engine.prefix_block = block
+            for length in range(1, 140):
+                resend = (length - 1) // block * block
+                for cached in (c for c in (0, 20, 40) if c < length):
+                    done = cached
+                    while done < length:
+                        budget = rng.choice((16, 32, 64))
+                        end = engine._next_chunk(list(range(length)), done, budget, cached)
+                        assert done < end <= min(done + budget, length)
+                        assert end == length or end % block == 0 or end // block == done // block
+                        if cached % block == 0 or done // block != cached // block:
+                            assert not done < resend < end, (block, length, cached, done, end)
+                        done = end
+    finally:
+        engine.prefix_block = kept
