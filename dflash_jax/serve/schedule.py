@@ -12,8 +12,8 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
   draft position k, the steps that reached k and those that accepted it (a step at block b that accepted a
   drafts reached positions 1 .. min(a + 1, b - 1)), so a block-16 step informs every smaller block and a
   block-4 step the first three positions (``blocksize.expected_tokens`` turns them into E[tokens | b]). For
-  trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per step that brings some, so it
-  follows the workload.
+  trees, each budget's own mean accepted depth. Evidence decays by ``DECAY`` per row-step that brings some, so it
+  follows the workload: a step over 32 rows outweighs what came before it, the rows running now.
 
 ``choose(top, left)`` picks the option with the most expected tokens per second: the sum over the running rows of
 E[tokens | option, the tokens the row may still emit] (a request that ends inside a block does not use all of it)
@@ -25,10 +25,13 @@ emit in its time at the best rate for all of them, E x cost, and the option with
 burst of arrivals, a short step). Every other option is explored now and then, so its cost (and, for the longest
 chain and the trees, the acceptance) stays current: at once while an informative one has little evidence (under
 ``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most ``EXPLORE_SHARE`` of the
-steps' time. A step of option o in place of the best one c loses cost(o) x (1 - rate(o) / rate(c)) seconds (rate:
-expected tokens per second), so o is explored after period = cost(o) / cost(c) x (1 - rate(o) / rate(c)) /
-EXPLORE_SHARE steps of c: without it, a server that chose block 1 under load would never learn that speculation
-pays again, nor one that speculates that plain decoding now does.
+steps' time. A step of option o in place of the best one c loses loss = cost(o) x (1 - rate(o) / rate(c)) seconds
+(rate: expected tokens per second) where freed slots are refilled, but up to cost(o) - cost(c) where a wave of
+requests that arrived together ends with its slowest row (a row that accepts nothing gains one token whatever
+ran), so it is taken as the larger of the two, and o is explored after period = loss / cost(c) / EXPLORE_SHARE
+steps of c (block 16 over 32 rows where plain decoding is best: ~300 steps, not ~60): without it, a server that
+chose block 1 under load would never learn that speculation pays again, nor one that speculates that plain
+decoding now does.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -50,11 +53,11 @@ import numpy as np
 from dflash_jax.decoding import blocksize
 
 ROUNDS = 3  # timed steps per program at warm-up (interleaved); a program's cost is their median
-DECAY = 0.97  # the weight of older evidence, per step that brings new evidence of the same kind
+DECAY = 0.97  # the weight of older evidence, per row-step that brings new evidence of the same kind
 EXPLORE_SHARE = 0.02  # exploring the other options loses at most this share of the steps' time (each)
 PRIOR_STEPS = 1.0  # pseudo-steps of the prior acceptance (the drafter's card, else 0.5 per position)
 MIN_EVIDENCE = 16.0  # row-steps of evidence an informative option gathers before its estimate is trusted
-RECENT = 64  # choices /stats keeps
+RECENT = 256  # choices /stats keeps (a burst of 32 requests of 32 tokens runs ~40 steps)
 COST_WEIGHT = 0.2  # the weight of each served step in its program's served / warm-up ratio (and the overall one)
 
 
@@ -209,8 +212,8 @@ class Schedule:
                 for o in self.options:
                     if o == choice:
                         continue
-                    # a step of o in place of the choice loses cost(o) x (1 - rate(o) / rate(choice)) seconds
-                    period = run[o][1] / run[choice][1] * (1 - rate[o] / rate[choice]) / EXPLORE_SHARE
+                    period = self._loss(run[o][1], run[choice][1], rate[o] / rate[choice]) / run[choice][1] / \
+                        EXPLORE_SHARE
                     if self._since[o] >= period or (self._informs(o) and self._evidence(o) < MIN_EVIDENCE):
                         choice, why = o, "explore"
                         break
@@ -219,15 +222,25 @@ class Schedule:
             self._since[o] += 1
         self._since[choice] = 0
         self.current = dict(rows=rows, top=top, active=len(left), waiting=len(waiting), choice=choice.name, why=why)
-        self.recent.append((rows, choice.name))
+        self.recent.append([rows, choice.name, why, None])  # its served ms once ``timed``
         self.counts[f"{rows}x{choice.name}"] += 1
         return rows, choice
+
+    @staticmethod
+    def _loss(cost: float, best: float, rate: float) -> float:
+        """Seconds a step of cost ``cost`` and ``rate`` x the best option's expected tokens per second loses in place
+        of one of the best option (cost ``best``): cost x (1 - rate) where freed slots are refilled, but at least
+        cost - best, what it loses when the requests' ends wait on a row that accepts nothing (every row gains at
+        least the one token of any step): a wave of requests that arrived together ends with its slowest one."""
+        return max(cost * (1 - rate), cost - best)
 
     def timed(self, rows: int, option: Option, seconds: float) -> None:
         """A served step of ``option`` over ``rows`` took ``seconds`` (all of its iteration but the prefill): the
         program's served / warm-up ratio, and every program's, move toward this one's, so that the table follows
         the machine's load and what serving adds to a step after warm-up."""
         key = (rows, option)
+        if self.recent and self.recent[-1][:2] == [rows, option.name]:
+            self.recent[-1][3] = round(seconds * 1e3, 3)
         if key in self.costs:
             ratio = seconds / self.costs[key]
             mine = self._ratio.get(key, self._load)
@@ -240,16 +253,17 @@ class Schedule:
         h = np.asarray(histogram, float)
         if option.block == 1 or h.sum() <= 0:
             return
+        keep = DECAY ** h.sum()  # per row-step: a step over every running row is a sample of the rows running now
         if option.budget is not None:
             tree = self._trees[option]
-            tree[0] = DECAY * tree[0] + h.sum()
-            tree[1] = DECAY * tree[1] + float((h * np.arange(h.size)).sum())
+            tree[0] = keep * tree[0] + h.sum()
+            tree[1] = keep * tree[1] + float((h * np.arange(h.size)).sum())
             return
         at_least = h[::-1].cumsum()[::-1]  # at_least[a]: steps that accepted >= a drafts
         depth = min(option.block - 1, self._reach.size)
-        self._reach *= DECAY
-        self._passed *= DECAY
-        self._seen = DECAY * self._seen + h.sum()
+        self._reach *= keep
+        self._passed *= keep
+        self._seen = keep * self._seen + h.sum()
         self._reach[:depth] += at_least[:depth]  # position k reached: >= k - 1 accepted
         self._passed[:depth] += at_least[1:depth + 1]  # position k accepted: >= k accepted
 
@@ -263,7 +277,8 @@ class Schedule:
 
     def as_dict(self) -> dict:
         """/stats' "speculation": the table (ms per step by rows bucket and option, as served now, and at warm-up),
-        the acceptance and expected tokens per step now, the last choice, and the recent choices and their counts."""
+        the acceptance and expected tokens per step now, the last choice, the recent choices ([rows, option, why,
+        served ms]) and their counts."""
         def ms(cost):
             return {str(r): {o.name: round(cost(r, o) * 1e3, 3) for o in self.options if (r, o) in self.costs}
                     for r in self.rows}

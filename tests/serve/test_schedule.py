@@ -46,7 +46,9 @@ def test_the_big_block_when_it_pays_plain_when_nothing_pays():
     assert s.choose(1, left=[16])[1] == BIG and s.choose(1, left=[1])[1] == PLAIN  # a row with 1 token left
     stats = s.as_dict()
     assert stats["step_ms"]["32"] == {"1": 1000.0, "4": 2500.0, "16": 9000.0} and stats["current"]["choice"] == "1"
-    assert stats["counts"]["32x1"] == 1 and stats["recent"][-1] == [1, "1"]
+    assert stats["counts"]["32x1"] == 1 and stats["recent"][-1] == [1, "1", "best", None]
+    s.timed(1, PLAIN, 0.5)
+    assert s.as_dict()["recent"][-1] == [1, "1", "best", 500.0]  # its served ms
 
 
 def test_a_small_block_informs_only_its_positions_and_other_options_are_explored_within_their_share():
@@ -65,6 +67,30 @@ def test_a_small_block_informs_only_its_positions_and_other_options_are_explored
     spent = sum(costs[32][p] for p in picks)
     assert 0.02 < lost / spent <= 2 * schedule.EXPLORE_SHARE  # two options, each within its share
     assert s.current == dict(rows=32, top=32, active=1, waiting=0, choice="4", why="best")
+
+
+def test_a_costlier_option_over_many_rows_is_explored_by_what_it_can_cost_a_wave():
+    """Plain decoding is best over 32 rows (32 / 0.09 s beats 32 x 5 / 0.6 s). Where freed slots are refilled a step
+    of block 16 in its place loses 0.6 x (1 - 267 / 356) = 0.15 s, but a wave of 32 requests that arrived together
+    waits for its slowest row, which may gain the one token a plain step gives it: up to 0.6 - 0.09 = 0.51 s. So
+    block 16 is explored after 0.51 / 0.09 / 0.02 = 283 steps (2% of the time), not 83."""
+    s = _schedule({1: {PLAIN: 0.01, BIG: 0.025}, 32: {PLAIN: 0.09, BIG: 0.6}}, options=(PLAIN, BIG))
+    _accepting(s, BIG, 4, 40)  # E[16] = 5, and evidence enough
+    picks = [s.choose(32, left=[32] * 32)[1] for _ in range(600)]
+    assert [i for i, p in enumerate(picks) if p == BIG] == [284, 569]
+
+
+def test_a_step_over_many_rows_outweighs_older_evidence():
+    """Evidence decays per row-step: one block-16 step over 32 rows that accepted 2 drafts each (E = 3) moves E[16]
+    from 14.4 (forty 1-row steps of 14) to 5.5 (per step, 7.8): the rows running now, not the requests before."""
+    s = _schedule({1: {PLAIN: 0.01, BIG: 0.025}, 32: {PLAIN: 0.09, BIG: 0.6}}, options=(PLAIN, BIG))
+    _accepting(s, BIG, 14, 40)
+    assert s.expected(BIG) == pytest.approx(14.4, abs=0.1)
+    h = np.zeros(16)
+    h[2] = 32
+    s.observe(BIG, h)
+    assert s.expected(BIG) == pytest.approx(5.5, abs=0.1)
+    assert s.choose(32, left=[32] * 32) == (32, PLAIN)  # 32 / 0.09 beats 32 x 5.5 / 0.6 (7.8: 32 x 7.8 / 0.6 won)
 
 
 def test_trees_are_weighed_by_their_own_acceptance():
