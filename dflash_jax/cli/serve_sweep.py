@@ -25,7 +25,8 @@ def cmd_serve_sweep(args) -> int:
             sink.flush()
 
     runs = serve_sweep.sweep(servers, args.model, concurrency=args.concurrency, repeats=args.repeats,
-                             max_new_tokens=args.max_new_tokens, prompts_per=lambda c: max(4, args.prompts * c),
+                             max_new_tokens=args.max_new_tokens,
+                             prompts_per=lambda c: max(args.min_prompts, args.prompts * c),
                              loader=serve_sweep.humaneval_loader(chars=args.prompt_chars), say=say)
     print(serve_sweep.table(runs))
     return 0
@@ -38,9 +39,12 @@ def add_parser(sub) -> None:
                    help="a running server, by the name the table gives it (repeat the flag, two or more)")
     p.add_argument("--model", default="m", help="the model id the servers answer to (their --served-model-name)")
     p.add_argument("--concurrency", type=cli_args.ints, default="1,2,4,8,16,32", help="comma-separated levels")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the table gives medians")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per request (z-lab's flag)")
-    p.add_argument("--prompts", type=int, default=2, help="timed requests per run: this x the concurrency (>= 4)")
+    p.add_argument("--repeats", type=cli_args.positive, default=3, help="interleaved repeats; the table gives medians")
+    p.add_argument("--max-new-tokens", type=cli_args.positive, default=64, help="tokens per request (z-lab's flag)")
+    p.add_argument("--prompts", type=cli_args.positive, default=2,
+                   help="timed requests per run: this x the concurrency, at least --min-prompts")
+    p.add_argument("--min-prompts", type=cli_args.positive, default=4,
+                   help="timed requests per run at the lowest concurrencies (more: longer, steadier runs there)")
     p.add_argument("--prompt-chars", type=int, help="cut each HumanEval prompt to its first N characters")
     p.add_argument("--jsonl", metavar="FILE", help="also append every run as a JSON line here")
     p.set_defaults(func=cmd_serve_sweep)

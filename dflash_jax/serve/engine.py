@@ -605,11 +605,11 @@ class Engine:
     def _budget(self) -> int:
         """Prompt tokens this iteration prefills: ``chunk``, or with auto chunks (``auto_chunks``), while any request
         runs and the costs are known, the widest chunk width whose cost (at warm-up, as served now:
-        ``schedule.served``) is at most the step's that follows (the last step's program as served now,
-        ``schedule.cost``), and at least the narrowest width: a running stream then waits about two steps between
-        two of its tokens while a prompt prefills, not a step and a chunk of ``chunk`` tokens."""
-        current = self.schedule.current
-        step = self.schedule.cost(current["rows"], self._last) if current and self._last else None
+        ``schedule.served``) is at most the step the running rows would run without the prompts (``schedule.pace``,
+        as served now), and at least the narrowest width: a running stream then waits about two of its steps between
+        two of its tokens while a prompt prefills, not a step and a chunk of ``chunk`` tokens, and the short steps
+        run while requests join (``schedule``'s admitting) do not shrink their chunks."""
+        step = self.schedule.pace
         if not (self.auto_chunks and self._active and self.chunk_costs and step is not None):
             return self.chunk
         widths = self.buckets()

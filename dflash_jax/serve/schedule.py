@@ -22,16 +22,19 @@ which can cost more than running every slot). Plain decoding (block 1, E = 1) wi
 requests are being prefilled (``waiting``), they join after a set number of iterations, whatever the steps run, so
 a long step holds every one of them back: a step is then worth its tokens less what all the held requests would
 emit in its time at the best rate for all of them, E x cost, and the option with the most of that runs (during a
-burst of arrivals, a short step). Every other option is explored now and then, so its cost (and, for the longest
-chain and the trees, the acceptance) stays current: at once while an informative one has little evidence (under
-``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most ``EXPLORE_SHARE`` of the
-steps' time. A step of option o in place of the best one c loses loss = cost(o) x (1 - rate(o) / rate(c)) seconds
-(rate: expected tokens per second) where freed slots are refilled, but up to cost(o) - cost(c) where a wave of
-requests that arrived together ends with its slowest row (a row that accepts nothing gains one token whatever
-ran), so it is taken as the larger of the two, and o is explored after period = loss / cost(c) / EXPLORE_SHARE
-steps of c (block 16 over 32 rows where plain decoding is best: ~300 steps, not ~60): without it, a server that
-chose block 1 under load would never learn that speculation pays again, nor one that speculates that plain
-decoding now does.
+burst of arrivals, a short step). The prompts' chunks keep the ``pace``, the cost of the step the running rows
+would run without them (the engine sizes a chunk by it), so the iterations a prompt takes do not depend on the
+short steps run meanwhile: sized by those, a burst's prompts would prefill in many small chunks under many
+short steps, each iteration reading every weight twice. Every other option is explored now and then, so its cost
+(and, for the longest chain and the trees, the acceptance) stays current: at once while an informative one has
+little evidence (under ``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most
+``EXPLORE_SHARE`` of the steps' time. A step of option o in place of the best one c loses loss = cost(o) x
+(1 - rate(o) / rate(c)) seconds (rate: expected tokens per second) where freed slots are refilled, but up to
+cost(o) - cost(c) where a wave of requests that arrived together ends with its slowest row (a row that accepts
+nothing gains one token whatever ran), so it is taken as the larger of the two, and o is explored after
+period = loss / cost(c) / EXPLORE_SHARE steps of c (block 16 over 32 rows where plain decoding is best: ~300
+steps, not ~60): without it, a server that chose block 1 under load would never learn that speculation pays
+again, nor one that speculates that plain decoding now does.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -136,6 +139,7 @@ class Schedule:
         self.recent: collections.deque = collections.deque(maxlen=RECENT)
         self.counts: collections.Counter = collections.Counter()
         self.current: dict | None = None
+        self.pace: float | None = None  # seconds of the step the running rows alone would run now (``choose``)
 
     def programs(self) -> list[tuple[int, Option]]:
         """Every (rows bucket, option) a step may run: the programs the warm-up compiles and times."""
@@ -198,17 +202,19 @@ class Schedule:
         if sampled or any(c is None for _, c in load.values()):
             choice, why = max(self.options, key=lambda o: o.width), "sampled" if sampled else "untimed"
             rows = self.bucket(top)
+            self.pace = run[choice][1]
         else:
             tokens = {o: sum(self.expected(o, n) for n in left) for o in self.options}  # this step's, all its rows
+            rate = {o: tokens[o] / c for o, (_, c) in run.items()}
+            best = min(self.options, key=lambda o: (-rate[o], o.width))
+            self.pace = run[best][1]
             if waiting:  # they join after a set number of iterations, whatever the steps: the step that costs the
                 # load least, its tokens less what every held request would have emitted in its time at the best rate
                 full = max((tokens[o] + sum(self.expected(o, n) for n in waiting)) / c for o, (_, c) in load.items())
                 choice = max(self.options, key=lambda o: (tokens[o] - full * run[o][1], -o.width))
                 why = "admitting"
             else:
-                rate = {o: tokens[o] / c for o, (_, c) in run.items()}
-                choice = min(self.options, key=lambda o: (-rate[o], o.width))
-                why = "best"
+                choice, why = best, "best"
                 for o in self.options:
                     if o == choice:
                         continue

@@ -271,6 +271,9 @@ def test_auto_chunks_are_sized_by_the_steps_while_requests_run_and_exact(pair, p
     run(prefilled)
     assert all("finish" not in s for s in streams)  # the streams ran all along
     assert eng.budgets == {16: 4}
+    pace, eng.schedule.pace = eng.schedule.pace, 1e6  # the running rows' own step costs more than every chunk
+    assert eng._budget() == 64  # sized by that step (``schedule.pace``), whatever the last step was
+    eng.schedule.pace = pace
     run(lambda: all("finish" in r for r in (*streams, greedy, sampled)))
     eng.budgets.clear()
     alone = _ask(eng, other, 16)

@@ -142,8 +142,10 @@ def test_while_requests_are_prefilled_a_step_is_worth_its_tokens_less_the_held_l
                   options=(PLAIN, BIG), rows=(4, 16, 32))
     _accepting(s, BIG, 4, 40)  # E[16] = 5
     assert s.choose(4, left=[32] * 4) == (4, BIG)
+    assert s.pace == 1.2  # the step the four rows alone run
     assert s.choose(4, left=[32] * 4, waiting=[32] * 12, held=16) == (4, PLAIN)
     assert s.current["why"] == "admitting" and s.current["waiting"] == 12
+    assert s.pace == 1.2  # the prompts' chunks keep block 16's pace, not the short step's
     assert s.choose(4, left=[32] * 4, waiting=[32], held=5) == (4, BIG)  # 5 would emit 25 / 4.0: 20 - 7.5 beats 2.4
     assert s.choose(16, left=[32] * 16) == (16, BIG)  # all joined: 80 / 4.0 beats 16 / 1.0
 
