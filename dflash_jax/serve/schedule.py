@@ -18,23 +18,23 @@ the step accepted; it holds no arrays and runs no program. Its inputs are two:
 ``choose(top, left)`` picks the option with the most expected tokens per second: the sum over the running rows of
 E[tokens | option, the tokens the row may still emit] (a request that ends inside a block does not use all of it)
 over the option's cost in the cheapest rows bucket that holds them (a smaller bucket copies its rows in and out,
-which can cost more than running every slot). Plain decoding (block 1, E = 1) wins when nothing pays. While
-requests are being prefilled (``waiting``), they join after a set number of iterations, whatever the steps run, so
-a long step holds every one of them back: a step is then worth its tokens less what all the held requests would
-emit in its time at the best rate for all of them, E x cost, and the option with the most of that runs (during a
-burst of arrivals, a short step). The prompts' chunks keep the ``pace``, the cost of the step the running rows
-would run without them (the engine sizes a chunk by it), so the iterations a prompt takes do not depend on the
-short steps run meanwhile: sized by those, a burst's prompts would prefill in many small chunks under many
-short steps, each iteration reading every weight twice. Every other option is explored now and then, so its cost
-(and, for the longest chain and the trees, the acceptance) stays current: at once while an informative one has
-little evidence (under ``MIN_EVIDENCE`` row-steps), else once what the explorations lost adds up to at most
-``EXPLORE_SHARE`` of the steps' time. A step of option o in place of the best one c loses loss = cost(o) x
-(1 - rate(o) / rate(c)) seconds (rate: expected tokens per second) where freed slots are refilled, but up to
-cost(o) - cost(c) where a wave of requests that arrived together ends with its slowest row (a row that accepts
-nothing gains one token whatever ran), so it is taken as the larger of the two, and o is explored after
-period = loss / cost(c) / EXPLORE_SHARE steps of c (block 16 over 32 rows where plain decoding is best: ~300
-steps, not ~60): without it, a server that chose block 1 under load would never learn that speculation pays
-again, nor one that speculates that plain decoding now does.
+which can cost more than running every slot). Plain decoding (block 1, E = 1) wins when nothing pays. While requests
+are being prefilled (``waiting``), they join after a set number of iterations, whatever the steps run, so a long
+step holds every one of them back: a step is then worth its tokens less what all the held requests would emit in its
+time at the best rate for all of them, E x cost, and the option with the most of that runs (during a burst of
+arrivals, a short step), unless an informative option has too little evidence (below). The prompts' chunks keep the
+``pace``, the cost of the step the running rows would run without them (the engine sizes a chunk by it), so the
+iterations a prompt takes do not depend on the short steps run meanwhile: sized by those, a burst's prompts would
+prefill in many small chunks under many short steps, each iteration reading every weight twice. Every other option
+is explored now and then, so its cost (and, for the longest chain and the trees, the acceptance) stays current: at
+once while an informative one has little evidence (under ``MIN_EVIDENCE`` row-steps), else once what the
+explorations lost adds up to at most ``EXPLORE_SHARE`` of the steps' time. A step of option o in place of the best
+one c loses loss = cost(o) x (1 - rate(o) / rate(c)) seconds (rate: expected tokens per second) where freed slots
+are refilled, but up to cost(o) - cost(c) where a wave of requests that arrived together ends with its slowest row
+(a row that accepts nothing gains one token whatever ran), so it is taken as the larger of the two, and o is
+explored after period = loss / cost(c) / EXPLORE_SHARE steps of c (block 16 over 32 rows where plain decoding is
+best: ~300 steps, not ~60): without it, a server that chose block 1 under load would never learn that speculation
+pays again, nor one that speculates that plain decoding now does.
 
 Greedy rows decode exactly as plain decoding whatever option each step ran. A sampled row's tokens are an exact
 sample under any sequence of options, but which sample depends on them (its random stream is drawn per step, and
@@ -179,9 +179,11 @@ class Schedule:
         longest = max((o.block for o in self.options if o.budget is None), default=1)
         return option.budget is not None or (option.block == longest > 1)
 
-    def _evidence(self, option: Option) -> float:
-        """Decayed row-steps of evidence behind ``option``'s estimate."""
-        return self._seen if option.budget is None else self._trees[option][0]
+    def _starved(self, option: Option) -> bool:
+        """Whether ``option`` informs ``choose`` (``_informs``) on too little evidence: under ``MIN_EVIDENCE``
+        decayed row-steps behind its estimate."""
+        evidence = self._seen if option.budget is None else self._trees[option][0]
+        return self._informs(option) and evidence < MIN_EVIDENCE
 
     def choose(self, top: int, left: Sequence[int] | None = None, sampled: bool = False, waiting: Sequence[int] = (),
                held: int = 0) -> tuple[int, Option]:
@@ -213,6 +215,9 @@ class Schedule:
                 full = max((tokens[o] + sum(self.expected(o, n) for n in waiting)) / c for o, (_, c) in load.items())
                 choice = max(self.options, key=lambda o: (tokens[o] - full * run[o][1], -o.width))
                 why = "admitting"
+                starved = [o for o in self.options if o != choice and self._starved(o)]
+                if starved:  # its estimate (the prior's, at first) would decide every admitting step after this one
+                    choice, why = starved[0], "explore"
             else:
                 choice, why = best, "best"
                 for o in self.options:
@@ -220,7 +225,7 @@ class Schedule:
                         continue
                     period = self._loss(run[o][1], run[choice][1], rate[o] / rate[choice]) / run[choice][1] / \
                         EXPLORE_SHARE
-                    if self._since[o] >= period or (self._informs(o) and self._evidence(o) < MIN_EVIDENCE):
+                    if self._since[o] >= period or self._starved(o):
                         choice, why = o, "explore"
                         break
             rows = run[choice][0]

@@ -150,6 +150,21 @@ def test_while_requests_are_prefilled_a_step_is_worth_its_tokens_less_the_held_l
     assert s.choose(16, left=[32] * 16) == (16, BIG)  # all joined: 80 / 4.0 beats 16 / 1.0
 
 
+def test_a_fresh_server_admitting_a_request_learns_the_acceptance_first():
+    """Four rows run while a fifth prompt prefills, on a fresh server (the prior: every draft accepted half the time,
+    E[16] = 2): on the prior plain decoding wins the admitting step (4 - 5 x 0.25 beats 8 - 5 x 1.2, 5 tokens/s the
+    best rate for all five), as it would every admitting step of a burst, so block 16, with too little evidence,
+    runs first; once it has shown 15 of 16 drafts accepted (E ~ 15), it wins them (60 - 18.75 x 1.2 beats 4 - 18.75
+    x 0.25)."""
+    s = _schedule({4: {PLAIN: 0.25, BIG: 1.2}, 16: {PLAIN: 2.0, BIG: 4.0}, 32: {PLAIN: 1.0, BIG: 9.0}},
+                  options=(PLAIN, BIG), rows=(4, 16, 32))
+    assert s.choose(4, left=[32] * 4, waiting=[32], held=5) == (4, BIG)
+    assert s.current["why"] == "explore"
+    _accepting(s, BIG, 15, 30)  # one row each: 19.6 decayed row-steps, evidence enough
+    assert s.choose(4, left=[32] * 4, waiting=[32], held=5) == (4, BIG)
+    assert s.current["why"] == "admitting"
+
+
 def test_options_and_rows_buckets():
     assert schedule.default_rows(32) == (1, 4, 16, 32) and schedule.default_rows(1) == (1,)
     assert schedule.options_for(16, None) == (PLAIN, BIG)
