@@ -328,7 +328,7 @@ class Engine:
                  "tree of N nodes), the host copy of %.2f ms included:\n%s", self.schedule.copy * 1e3,
                  self.schedule.table())
         log.info("prompt chunks: %s; %s", ", ".join(f"{w} tokens {c * 1e3:.2f}ms" for w, c in self.chunk_costs.items()),
-                 "while requests run, each iteration prefills the widest that costs at most the step after it, else "
+                 "while requests run, each iteration prefills the widest costing at most the running rows' step, else "
                  f"{self.chunk} tokens (--max-num-batched-tokens auto)" if self.auto_chunks else
                  f"up to {self.chunk} tokens per iteration (--max-num-batched-tokens {self.chunk})")
 
