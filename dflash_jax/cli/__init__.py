@@ -133,7 +133,7 @@ def renamed(argv: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     argv = renamed(list(sys.argv[1:] if argv is None else argv))
-    return run(build_parser(argv).parse_args(argv))
+    return run(lambda: build_parser(argv).parse_args(argv))
 
 
 def script(module: str) -> None:

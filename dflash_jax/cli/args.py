@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from dflash_jax.cli import interrupt
 from dflash_jax.decoding.runtime import use_tpu_xla_flags
@@ -235,18 +236,37 @@ def quiet_libtpu() -> None:
 
 
 def _release_claims(args) -> None:
-    """A failed command's output folders that hold only its claim marker are put back as they were."""
+    """A failed command's output folders that hold only its claim marker are put back as they were (``args``: None
+    before the command line is parsed: none)."""
     for path, existed in getattr(args, "claimed_outputs", ()):
         atomic.release_claim(path, writer=f"dflash-jax {args.command}", existed=existed)
 
 
-def run(args) -> int:
-    """Runs a parsed command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input,
-    128 + the signal (130, 143) after Ctrl-C or SIGTERM (``interrupt.stop_on_signals``: within seconds)."""
-    quiet_libtpu()
-    use_tpu_xla_flags()
-    with interrupt.stop_on_signals(lambda: _release_claims(args)) as stop:
+def run(parse: Callable[[], argparse.Namespace]) -> int:
+    """Parses the command line (``parse()``: it imports the command's module, JAX and more, for seconds) and runs
+    the command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input, 128 + the
+    signal (130, 143) after Ctrl-C or SIGTERM, from the parsing on (``interrupt.stop_on_signals``: within
+    seconds)."""
+    held = {}
+    with interrupt.stop_on_signals(lambda: _release_claims(held.get("args"))) as stop:
+        try:
+            args = held["args"] = parse()
+            quiet_libtpu()
+            use_tpu_xla_flags()
+        except KeyboardInterrupt:
+            _interrupted(stop)
         return _run(args, stop)
+
+
+def _interrupted(stop: interrupt.Stop) -> NoReturn:
+    """Ctrl-C or SIGTERM (often during a compile): one line and the shell's status for the signal. os._exit, not a
+    return: the interpreter's teardown with XLA's compile threads still running (or a half-imported JAX) can crash
+    (SIGSEGV) or hang."""
+    status = stop.take()
+    print("\ndflash-jax: interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _run(args, stop: interrupt.Stop) -> int:
@@ -273,9 +293,4 @@ def _run(args, stop: interrupt.Stop) -> int:
         print(f"dflash-jax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # Ctrl-C or SIGTERM (often during a compile): one line and the shell's status for the signal. os._exit, not a
-        # return: the interpreter's teardown with XLA's compile threads still running can crash (SIGSEGV).
-        print("\ndflash-jax: interrupted", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(stop.take())
+        _interrupted(stop)

@@ -1,10 +1,10 @@
 """Ctrl-C and SIGTERM for the command line: a stop that nothing in the process can swallow.
 
-Used by ``args.run`` around every subcommand. Python raises ``KeyboardInterrupt`` wherever the main thread happens
-to be when its signal handler runs, and where that is a garbage-collector callback (JAX registers one,
-``_xla_gc_callback``) or a ``__del__``, the exception is printed as "Exception ignored in ..." and dropped: the
-command runs on to its end. And while the main thread sits in native code (an XLA compile), no Python handler runs
-at all. ``stop_on_signals`` therefore
+Used by ``args.run`` around every subcommand, its parsing (the imports) included. Python raises
+``KeyboardInterrupt`` wherever the main thread happens to be when its signal handler runs, and where that is a
+garbage-collector callback (JAX registers one, ``_xla_gc_callback``) or a ``__del__``, the exception is printed as
+"Exception ignored in ..." and dropped: the command runs on to its end. And while the main thread sits in native
+code (an XLA compile), no Python handler runs at all. ``stop_on_signals`` therefore
 
 - handles SIGINT and SIGTERM alike (SIGTERM used to kill the process outright, leaving a claimed output folder
   holding only its marker): ``KeyboardInterrupt`` in the main thread, so ``run`` undoes its claims and exits with

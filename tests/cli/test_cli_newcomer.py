@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -166,6 +167,23 @@ def test_every_flag_has_help_text(command):
     missing = [o for o, h in _options(parser) if o.rsplit(" ", 1)[0] == command
                and (not h or h.startswith("(default") or h == "==SUPPRESS==")]
     assert missing == []
+
+
+def test_ctrl_c_while_the_command_is_imported_exits_130_without_a_traceback():
+    """Ctrl-C in the seconds ``main`` spends importing the command's module (JAX, transformers), before the
+    command's own signal handling is installed: the same one line and status as later."""
+    main = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "from dflash_jax.cli import main; print('importing', file=sys.stderr, flush=True); "
+            "sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", main, "generate", "def f(x):"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    first = proc.stderr.readline()
+    time.sleep(0.3)  # inside ``main`` by then, and still importing: the command's module takes seconds
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=60)
+    err = first + rest
+    assert first == "importing\n" and proc.returncode == 130, err
+    assert "dflash-jax: interrupted" in err and "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -134,9 +134,9 @@ def test_a_tools_json_file_replaces_only_its_own(tmp_path, capsys):
 
     out = tmp_path / "rows.json"
     ns = dict(command="report perf-model", json=str(out), func=tool, overwrite=False)
-    assert cli_args.run(argparse.Namespace(**ns)) == 0
+    assert cli_args.run(lambda: argparse.Namespace(**ns)) == 0
     if atomic.file_written_by(out) is None:
         pytest.skip("this file system keeps no extended attributes")
-    assert cli_args.run(argparse.Namespace(**ns)) == 0  # a rerun replaces its own file
-    assert cli_args.run(argparse.Namespace(**{**ns, "json": str(mine), "overwrite": True})) == 0
+    assert cli_args.run(lambda: argparse.Namespace(**ns)) == 0  # a rerun replaces its own file
+    assert cli_args.run(lambda: argparse.Namespace(**{**ns, "json": str(mine), "overwrite": True})) == 0
     assert json.loads(mine.read_text()) == {"rows": []}
