@@ -247,10 +247,10 @@ def run(parse: Callable[[], argparse.Namespace]) -> int:
     the command (``args.func``): its exit status, 2 with one ``dflash-jax: error:`` line on bad input, 128 + the
     signal (130, 143) after Ctrl-C or SIGTERM, from the parsing on (``interrupt.stop_on_signals``: within
     seconds)."""
-    held = {}
-    with interrupt.stop_on_signals(lambda: _release_claims(held.get("args"))) as stop:
+    args = None  # the cleanup reads it as it is then: None until parsed
+    with interrupt.stop_on_signals(lambda: _release_claims(args)) as stop:
         try:
-            args = held["args"] = parse()
+            args = parse()
             quiet_libtpu()
             use_tpu_xla_flags()
         except KeyboardInterrupt:

@@ -215,9 +215,6 @@ class Schedule:
                 full = max((tokens[o] + sum(self.expected(o, n) for n in waiting)) / c for o, (_, c) in load.items())
                 choice = max(self.options, key=lambda o: (tokens[o] - full * run[o][1], -o.width))
                 why = "admitting"
-                starved = [o for o in self.options if o != choice and self._starved(o)]
-                if starved:  # its estimate (the prior's, at first) would decide every admitting step after this one
-                    choice, why = starved[0], "explore"
             else:
                 choice, why = best, "best"
                 for o in self.options:
@@ -225,9 +222,14 @@ class Schedule:
                         continue
                     period = self._loss(run[o][1], run[choice][1], rate[o] / rate[choice]) / run[choice][1] / \
                         EXPLORE_SHARE
-                    if self._since[o] >= period or self._starved(o):
+                    if self._since[o] >= period:
                         choice, why = o, "explore"
                         break
+            # an informative option on too little evidence runs first, admitting or not: its estimate (the prior's,
+            # at first) would decide every step after this one
+            starved = next((o for o in self.options if o != choice and self._starved(o)), None)
+            if starved is not None:
+                choice, why = starved, "explore"
             rows = run[choice][0]
         for o in self.options:
             self._since[o] += 1
